@@ -1,0 +1,195 @@
+// moeinfer: the command-line tool. It only binds the library: parse, call, print.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "moeinfer/backend.h"
+#include "moeinfer/presets.h"
+#include "moeinfer/reference.h"
+
+namespace {
+
+using namespace moeinfer;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// A progress bar on stderr, drawn only on a terminal and only once the work has taken longer
+// than half a second, so quick runs and logs stay clean.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
+  ~ProgressBar() {
+    if (drawn_) std::fputs("\n", stderr);
+  }
+  void update(int64_t done, int64_t total) {
+    const double elapsed = seconds_since(start_);
+    if (!tty_ || elapsed < 0.5 || total <= 0) return;
+    constexpr int kWidth = 30;
+    const auto filled = static_cast<int>(kWidth * done / total);
+    fmt::print(stderr, "\r{} [{}{}] {}/{} {:.1f}s", label_, std::string(static_cast<size_t>(filled), '#'),
+               std::string(static_cast<size_t>(kWidth - filled), ' '), done, total, elapsed);
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+
+ private:
+  std::string label_;
+  bool tty_;
+  bool drawn_ = false;
+  Clock::time_point start_ = Clock::now();
+};
+
+std::string human_bytes(int64_t bytes) {
+  if (bytes >= (int64_t{1} << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30));
+  if (bytes >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1 << 20));
+  return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / 1024);
+}
+
+// A one-line error and a non-zero exit.
+int fail(const Status& status) {
+  fmt::print(stderr, "moeinfer: error: {}\n", status.to_string());
+  return 1;
+}
+
+struct RunOptions {
+  std::string preset = "qwen3-next-80b-a3b";
+  std::string format = "nvfp4";
+  int64_t tokens = 4;
+  uint64_t seed = 0;
+  std::string backend = "auto";
+  int iters = 1;
+};
+
+int run_command(const RunOptions& opt) {
+  if (opt.tokens < 1) return fail(invalid_argument(fmt::format("--tokens must be at least 1 (got {})", opt.tokens)));
+  if (opt.iters < 1) return fail(invalid_argument(fmt::format("--iters must be at least 1 (got {})", opt.iters)));
+  Result<QuantSpec> spec = parse_quant_spec(opt.format);
+  if (!spec.ok()) return fail(spec.status());
+  Result<BackendKind> kind = parse_backend(opt.backend);
+  if (!kind.ok()) return fail(kind.status());
+  Result<const Preset*> preset = find_preset(opt.preset);
+  if (!preset.ok()) return fail(preset.status());
+  Result<std::unique_ptr<Backend>> backend = make_backend(*kind);
+  if (!backend.ok()) return fail(backend.status());
+
+  const auto build_start = Clock::now();
+  Result<Layer> layer = make_preset_layer(opt.preset, *spec, opt.seed);
+  if (!layer.ok()) return fail(layer.status());
+  const LayerDesc& d = layer->desc;
+  const std::vector<float> x = make_tokens(opt.tokens, d.hidden, opt.seed + 1);
+
+  // Generate (or later: load) the experts this batch routes to before timing, so the time
+  // below is the layer's alone.
+  Result<Routes> routes = moe_route_reference(*layer, x, opt.tokens);
+  if (!routes.ok()) return fail(routes.status());
+  std::vector<int> touched;
+  for (int id : routes->ids) {
+    if (id < d.num_experts) touched.push_back(id);
+  }
+  {
+    ProgressBar bar("building experts");
+    Status loaded = layer->load_experts(touched, [&](int64_t done, int64_t total) { bar.update(done, total); });
+    if (!loaded.ok()) return fail(loaded);
+  }
+  const double build_seconds = seconds_since(build_start);
+
+  std::vector<float> out(x.size());
+  ForwardInfo info;
+  std::vector<double> times;
+  for (int i = 0; i < opt.iters; ++i) {
+    std::fill(out.begin(), out.end(), std::nanf(""));  // poison: every element must be written
+    const auto start = Clock::now();
+    Status st = (*backend)->forward(*layer, x, opt.tokens, out, &info);
+    if (!st.ok()) return fail(st);
+    times.push_back(seconds_since(start));
+  }
+  std::sort(times.begin(), times.end());
+  const double median_ms = times[times.size() / 2] * 1e3;
+
+  double sum = 0.0, sum_sq = 0.0;
+  for (float v : out) {
+    if (!std::isfinite(v)) return fail(internal_error("the output holds a non-finite value"));
+    sum += v;
+    sum_sq += static_cast<double>(v) * v;
+  }
+
+  fmt::print("moeinfer run\n");
+  fmt::print("  preset    {} ({}, {})\n", (*preset)->name, (*preset)->model, family_name(d.family));
+  fmt::print("  shape     {}\n", describe_shape(d));
+  fmt::print("  routing   {}\n", describe_routing(d));
+  fmt::print("  format    {} experts ({} each), bf16 router\n", quant_spec_name(*spec),
+             human_bytes(layer->routed_expert_bytes()));
+  fmt::print("  tokens    {} (seed {})\n", opt.tokens, opt.seed);
+  fmt::print("  backend   {} (path: {}; {})\n", backend_name((*backend)->kind()), info.path, info.detail);
+  fmt::print("  experts   {} of {} touched, built in {:.2f} s\n", layer->loaded_experts(), d.num_experts,
+             build_seconds);
+  fmt::print("  time      {:.3f} ms per call (median of {})\n", median_ms, opt.iters);
+  fmt::print("  output    [{}, {}] checksum sum={:.6e} l2={:.6e} out[0][0..3]=[{:.5f}, {:.5f}, {:.5f}, {:.5f}]\n",
+             opt.tokens, d.hidden, sum, std::sqrt(sum_sq), out[0], out[1], out[2], out[3]);
+  return 0;
+}
+
+int presets_command() {
+  fmt::print("{:<20} {:<24} {:<14} {:>6} {:>6} {:>9} {:>5} {:>7}  {}\n", "preset", "model", "family",
+             "hidden", "inter", "experts", "top-k", "shared", "routing");
+  for (const Preset& p : presets()) {
+    const LayerDesc d = family_layer(p.family, p.shape);
+    const std::string experts = d.num_zero_experts > 0 ? fmt::format("{}+{}z", d.num_experts, d.num_zero_experts)
+                                                       : fmt::format("{}", d.num_experts);
+    const std::string shared = d.has_shared() ? fmt::format("{}{}", d.shared_intermediate, d.shared_gate ? "g" : "")
+                                              : "-";
+    fmt::print("{:<20} {:<24} {:<14} {:>6} {:>6} {:>9} {:>5} {:>7}  {}\n", p.name, p.model, family_name(p.family),
+               d.hidden, d.intermediate, experts, d.top_k, shared, describe_routing(d));
+  }
+  fmt::print("\nshared: width of the shared expert, g = sigmoid-gated; z = zero (identity) experts\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeinfer: the Mixture-of-Experts layer of LLMs at inference time"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "moeinfer 0.1.0");
+
+  RunOptions run;
+  CLI::App* run_cmd = app.add_subcommand("run", "Run one MoE layer of a preset on synthetic tokens");
+  run_cmd->add_option("--preset", run.preset, "Layer shape of a real model (see `moeinfer presets`)")
+      ->capture_default_str();
+  run_cmd->add_option("--format", run.format, "Expert weights: nvfp4, fp8 (block-128), fp8-channel, fp8-tensor, bf16")
+      ->capture_default_str();
+  run_cmd->add_option("--tokens", run.tokens, "Tokens per call (N)")->capture_default_str();
+  run_cmd->add_option("--seed", run.seed, "Seed of the synthetic weights and tokens")->capture_default_str();
+  run_cmd->add_option("--backend", run.backend, "reference, cpu, cuda or auto (the best available)")
+      ->capture_default_str();
+  run_cmd->add_option("--iters", run.iters, "Timed calls; the median is reported")->capture_default_str();
+
+  app.add_subcommand("presets", "List the presets and their shapes");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    fmt::print(stderr, "moeinfer: error: {} (see --help)\n", what);
+    return 2;
+  }
+
+  if (run_cmd->parsed()) return run_command(run);
+  return presets_command();
+}

@@ -1,0 +1,344 @@
+#include "moeinfer/format.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace moeinfer {
+
+const char* format_name(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kBF16: return "bf16";
+    case WeightFormat::kFP8: return "fp8";
+    case WeightFormat::kNVFP4: return "nvfp4";
+  }
+  return "?";
+}
+
+const char* fp8_scaling_name(Fp8Scaling scaling) {
+  switch (scaling) {
+    case Fp8Scaling::kBlock128: return "block";
+    case Fp8Scaling::kPerChannel: return "channel";
+    case Fp8Scaling::kPerTensor: return "tensor";
+  }
+  return "?";
+}
+
+std::string quant_spec_name(QuantSpec spec) {
+  if (spec.format != WeightFormat::kFP8) return format_name(spec.format);
+  return fmt::format("fp8-{}", fp8_scaling_name(spec.fp8_scaling));
+}
+
+Result<QuantSpec> parse_quant_spec(std::string_view name) {
+  if (name == "bf16") return QuantSpec{WeightFormat::kBF16};
+  if (name == "nvfp4") return QuantSpec{WeightFormat::kNVFP4};
+  if (name == "fp8" || name == "fp8-block") return QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128};
+  if (name == "fp8-channel") return QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel};
+  if (name == "fp8-tensor") return QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerTensor};
+  return invalid_argument(fmt::format(
+      "unknown weight format '{}' (expected nvfp4, fp8, fp8-block, fp8-channel, fp8-tensor or bf16)",
+      name));
+}
+
+// ---- scalar codecs -------------------------------------------------------------------------
+
+uint16_t bf16_from_float(float value) {
+  uint32_t bits = std::bit_cast<uint32_t>(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x0040);  // keep it quiet
+  // Round to nearest even on the 16 dropped bits; a carry into the exponent is correct
+  // (it rounds up to the next binade, or to infinity as IEEE rounding does).
+  uint32_t lsb = (bits >> 16) & 1u;
+  bits += 0x7FFFu + lsb;
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float bf16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+float e4m3_to_float(uint8_t code) {
+  const bool negative = code & 0x80;
+  const int exponent = (code >> 3) & 0xF;
+  const int mantissa = code & 0x7;
+  float magnitude;
+  if (exponent == 0xF && mantissa == 0x7) {
+    magnitude = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // m/8 * 2^-6
+  } else {
+    magnitude = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+  }
+  return negative ? -magnitude : magnitude;
+}
+
+uint8_t e4m3_from_float(float value) {
+  if (std::isnan(value)) return 0x7F;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const float a = std::fabs(value);
+  if (a >= kE4M3Max) return sign | 0x7E;  // saturate: E4M3 (fn) has no infinity
+  if (a < std::ldexp(1.0f, -6)) {
+    // Subnormal range: the value is m * 2^-9. Rounding m up to 8 lands exactly on the
+    // smallest normal, whose code (e=1, m=0) is 8 as well.
+    const auto m = static_cast<int>(std::nearbyint(a * 512.0f));  // ties to even
+    return sign | static_cast<uint8_t>(m);
+  }
+  int e2 = 0;
+  const float f = std::frexp(a, &e2);  // a = f * 2^e2, f in [0.5, 1)
+  int exponent = e2 - 1;               // a = (2f) * 2^exponent, 2f in [1, 2)
+  auto mantissa = static_cast<int>(std::nearbyint((2.0f * f - 1.0f) * 8.0f));  // ties to even
+  if (mantissa == 8) {
+    mantissa = 0;
+    ++exponent;
+  }
+  const int biased = exponent + 7;
+  if (biased > 15 || (biased == 15 && mantissa == 7)) return sign | 0x7E;
+  return sign | static_cast<uint8_t>((biased << 3) | mantissa);
+}
+
+float e2m1_to_float(uint8_t code) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float magnitude = kMagnitude[code & 0x7];
+  return (code & 0x8) ? -magnitude : magnitude;
+}
+
+uint8_t e2m1_from_float(float value) {
+  if (std::isnan(value)) return 0;
+  const float a = std::fabs(value);
+  // Decision points are the midpoints between neighbouring magnitudes; at a midpoint the even
+  // code (mantissa bit 0) wins, so even codes own both of their boundaries.
+  uint8_t code;
+  if (a <= 0.25f) code = 0;
+  else if (a < 0.75f) code = 1;
+  else if (a <= 1.25f) code = 2;
+  else if (a < 1.75f) code = 3;
+  else if (a <= 2.5f) code = 4;
+  else if (a < 3.5f) code = 5;
+  else if (a <= 5.0f) code = 6;
+  else code = 7;
+  return std::signbit(value) ? static_cast<uint8_t>(code | 0x8) : code;
+}
+
+// ---- quantized matrix ----------------------------------------------------------------------
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+float max_abs(const float* values, int64_t count) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < count; ++i) m = std::max(m, std::fabs(values[i]));
+  return m;
+}
+
+}  // namespace
+
+int64_t QuantMatrix::fp8_scale_rows() const {
+  switch (spec.fp8_scaling) {
+    case Fp8Scaling::kBlock128: return ceil_div(rows, kFp8Block);
+    case Fp8Scaling::kPerChannel: return rows;
+    case Fp8Scaling::kPerTensor: return 1;
+  }
+  return 0;
+}
+
+int64_t QuantMatrix::fp8_scale_cols() const {
+  return spec.fp8_scaling == Fp8Scaling::kBlock128 ? ceil_div(cols, kFp8Block) : 1;
+}
+
+int64_t quantized_bytes(QuantSpec spec, int64_t rows, int64_t cols) {
+  switch (spec.format) {
+    case WeightFormat::kBF16: return rows * cols * 2;
+    case WeightFormat::kNVFP4: return rows * cols / 2 + rows * (cols / kNvfp4Group) + 4;
+    case WeightFormat::kFP8: {
+      QuantMatrix shape;
+      shape.spec = spec;
+      shape.rows = rows;
+      shape.cols = cols;
+      return rows * cols + shape.fp8_scale_rows() * shape.fp8_scale_cols() * 4;
+    }
+  }
+  return 0;
+}
+
+int64_t QuantMatrix::bytes() const { return quantized_bytes(spec, rows, cols); }
+
+Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t rows,
+                                          int64_t cols, QuantSpec spec) {
+  if (rows <= 0 || cols <= 0) {
+    return invalid_argument(fmt::format("cannot quantize a [{}, {}] matrix", rows, cols));
+  }
+  if (static_cast<int64_t>(values.size()) != rows * cols) {
+    return invalid_argument(fmt::format("quantize: {} values given for a [{}, {}] matrix",
+                                        values.size(), rows, cols));
+  }
+  if (spec.format == WeightFormat::kNVFP4 && cols % kNvfp4Group != 0) {
+    return invalid_argument(fmt::format("in_features {} is not a multiple of the NVFP4 group {}",
+                                        cols, kNvfp4Group));
+  }
+  QuantMatrix m;
+  m.spec = spec;
+  m.rows = rows;
+  m.cols = cols;
+  const float* src = values.data();
+
+  switch (spec.format) {
+    case WeightFormat::kBF16: {
+      m.data.resize(static_cast<size_t>(rows * cols) * 2);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint16_t bits = bf16_from_float(src[r * cols + c]);
+          std::memcpy(&m.data[static_cast<size_t>(r * cols + c) * 2], &bits, 2);
+        }
+      }
+      break;
+    }
+    case WeightFormat::kFP8: {
+      m.data.resize(static_cast<size_t>(rows * cols));
+      const int64_t srows = m.fp8_scale_rows();
+      const int64_t scols = m.fp8_scale_cols();
+      const int64_t block_rows = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block
+                                 : spec.fp8_scaling == Fp8Scaling::kPerChannel ? 1
+                                                                               : rows;
+      const int64_t block_cols = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : cols;
+      m.scales.resize(static_cast<size_t>(srows * scols));
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t sr = 0; sr < srows; ++sr) {
+        for (int64_t sc = 0; sc < scols; ++sc) {
+          const int64_t r0 = sr * block_rows, r1 = std::min(rows, r0 + block_rows);
+          const int64_t c0 = sc * block_cols, c1 = std::min(cols, c0 + block_cols);
+          float amax = 0.0f;
+          for (int64_t r = r0; r < r1; ++r) amax = std::max(amax, max_abs(src + r * cols + c0, c1 - c0));
+          // The block's largest magnitude maps to E4M3's largest finite value. An all-zero
+          // block keeps scale 1 so that no consumer ever divides by a zero scale.
+          const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+          m.scales[static_cast<size_t>(sr * scols + sc)] = scale;
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t c = c0; c < c1; ++c) {
+              m.data[static_cast<size_t>(r * cols + c)] = e4m3_from_float(src[r * cols + c] / scale);
+            }
+          }
+        }
+      }
+      break;
+    }
+    case WeightFormat::kNVFP4: {
+      // Global scale: the tensor's largest magnitude maps to the largest product of an E2M1
+      // value and an E4M3 block scale (6 * 448), as ModelOpt's weight_scale_2 does.
+      const float amax = max_abs(src, rows * cols);
+      m.global_scale = amax > 0.0f ? amax / (kE2M1Max * kE4M3Max) : 1.0f;
+      const int64_t groups = cols / kNvfp4Group;
+      m.data.assign(static_cast<size_t>(rows * cols / 2), 0);
+      m.block_scales.resize(static_cast<size_t>(rows * groups));
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* block = src + r * cols + g * kNvfp4Group;
+          const uint8_t scale_code = e4m3_from_float(max_abs(block, kNvfp4Group) / kE2M1Max / m.global_scale);
+          m.block_scales[static_cast<size_t>(r * groups + g)] = scale_code;
+          const float step = e4m3_to_float(scale_code) * m.global_scale;
+          for (int64_t i = 0; i < kNvfp4Group; ++i) {
+            const uint8_t code = step > 0.0f ? e2m1_from_float(block[i] / step) : 0;
+            const int64_t c = g * kNvfp4Group + i;
+            uint8_t& byte = m.data[static_cast<size_t>((r * cols + c) / 2)];
+            byte |= (c % 2 == 0) ? code : static_cast<uint8_t>(code << 4);  // element 2i low
+          }
+        }
+      }
+      break;
+    }
+  }
+  return m;
+}
+
+Status QuantMatrix::check(std::string_view name) const {
+  if (rows <= 0 || cols <= 0) {
+    return invalid_argument(fmt::format("{}: empty shape [{}, {}]", name, rows, cols));
+  }
+  const auto expect_size = [&](const char* what, size_t have, int64_t want) -> Status {
+    if (static_cast<int64_t>(have) != want) {
+      return invalid_argument(fmt::format("{}: {} holds {} entries, a [{}, {}] {} matrix needs {}",
+                                          name, what, have, rows, cols, quant_spec_name(spec), want));
+    }
+    return {};
+  };
+  switch (spec.format) {
+    case WeightFormat::kBF16:
+      return expect_size("data", data.size(), rows * cols * 2);
+    case WeightFormat::kFP8: {
+      MOEINFER_RETURN_IF_ERROR(expect_size("data", data.size(), rows * cols));
+      MOEINFER_RETURN_IF_ERROR(expect_size("scales", scales.size(), fp8_scale_rows() * fp8_scale_cols()));
+      for (size_t i = 0; i < scales.size(); ++i) {
+        if (!std::isfinite(scales[i])) {
+          return Status(StatusCode::kCorruptData,
+                        fmt::format("{}: FP8 scale {} is not finite ({})", name, i, scales[i]));
+        }
+      }
+      return {};
+    }
+    case WeightFormat::kNVFP4: {
+      if (cols % kNvfp4Group != 0) {
+        return invalid_argument(fmt::format("{}: in_features {} is not a multiple of the NVFP4 group {}",
+                                            name, cols, kNvfp4Group));
+      }
+      MOEINFER_RETURN_IF_ERROR(expect_size("data", data.size(), rows * cols / 2));
+      MOEINFER_RETURN_IF_ERROR(expect_size("block scales", block_scales.size(), rows * cols / kNvfp4Group));
+      if (!std::isfinite(global_scale)) {
+        return Status(StatusCode::kCorruptData,
+                      fmt::format("{}: NVFP4 global scale is not finite ({})", name, global_scale));
+      }
+      for (size_t i = 0; i < block_scales.size(); ++i) {
+        if ((block_scales[i] & 0x7F) == 0x7F) {
+          return Status(StatusCode::kCorruptData,
+                        fmt::format("{}: NVFP4 block scale {} is NaN", name, i));
+        }
+      }
+      return {};
+    }
+  }
+  return internal_error("unknown weight format");
+}
+
+void QuantMatrix::dequantize_row(int64_t r, float* out) const {
+  switch (spec.format) {
+    case WeightFormat::kBF16:
+      for (int64_t c = 0; c < cols; ++c) {
+        uint16_t bits;
+        std::memcpy(&bits, &data[static_cast<size_t>(r * cols + c) * 2], 2);
+        out[c] = bf16_to_float(bits);
+      }
+      return;
+    case WeightFormat::kFP8: {
+      const int64_t scols = fp8_scale_cols();
+      for (int64_t c = 0; c < cols; ++c) {
+        int64_t s = 0;
+        if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * scols + c / kFp8Block;
+        else if (spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
+        out[c] = e4m3_to_float(data[static_cast<size_t>(r * cols + c)]) * scales[static_cast<size_t>(s)];
+      }
+      return;
+    }
+    case WeightFormat::kNVFP4: {
+      const int64_t groups = cols / kNvfp4Group;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = data[static_cast<size_t>((r * cols + c) / 2)];
+        const uint8_t code = (c % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+        const float block_scale = e4m3_to_float(block_scales[static_cast<size_t>(r * groups + c / kNvfp4Group)]);
+        // e2m1 * e4m3 is exact in fp32 (at most 2 + 4 significant bits); only the global
+        // scale rounds, once.
+        out[c] = (e2m1_to_float(code) * block_scale) * global_scale;
+      }
+      return;
+    }
+  }
+}
+
+std::vector<float> QuantMatrix::dequantize() const {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) dequantize_row(r, out.data() + r * cols);
+  return out;
+}
+
+}  // namespace moeinfer

@@ -1,0 +1,17 @@
+# Runs CMD ARGS, and passes iff it exits non-zero with exactly one line on stderr that
+# contains EXPECT (a CTest test cannot check the exit code and the message at once).
+separate_arguments(ARGS)
+execute_process(COMMAND ${CMD} ${ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "expected failure, got exit 0; stdout: ${out}")
+endif()
+string(STRIP "${err}" err)
+string(FIND "${err}" "\n" newline)
+if(NOT newline EQUAL -1)
+  message(FATAL_ERROR "expected a one-line error, got:\n${err}")
+endif()
+string(FIND "${err}" "${EXPECT}" found)
+if(found EQUAL -1)
+  message(FATAL_ERROR "expected the error to mention '${EXPECT}', got: ${err}")
+endif()
+message(STATUS "exit ${rc}: ${err}")

@@ -1,0 +1,257 @@
+// Format codecs and quantizers: every code, the rounding rule at every tie, pack/unpack.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "moeinfer/format.h"
+#include "test_util.h"
+
+namespace moeinfer {
+namespace {
+
+using testing::take;
+
+TEST(Bf16, EveryCodeRoundTrips) {
+  for (uint32_t c = 0; c < 65536; ++c) {
+    const auto code = static_cast<uint16_t>(c);
+    const float v = bf16_to_float(code);
+    if (std::isnan(v)) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(bf16_from_float(v)))) << c;
+    } else {
+      EXPECT_EQ(bf16_from_float(v), code) << c;
+    }
+  }
+}
+
+TEST(Bf16, RoundsToNearestEven) {
+  // bf16 keeps 7 mantissa bits: near 1 the step is 2^-7.
+  EXPECT_EQ(bf16_to_float(bf16_from_float(1.0f + 0x1p-8f)), 1.0f);                  // tie, 1.0 is even
+  EXPECT_EQ(bf16_to_float(bf16_from_float(1.0f + 3 * 0x1p-8f)), 1.0f + 0x1p-6f);    // tie, up to even
+  EXPECT_EQ(bf16_to_float(bf16_from_float(1.0f + 0x1p-8f + 0x1p-20f)), 1.0f + 0x1p-7f);  // past the tie
+  EXPECT_EQ(bf16_to_float(bf16_from_float(-2.5f)), -2.5f);
+  EXPECT_TRUE(std::isinf(bf16_to_float(bf16_from_float(std::numeric_limits<float>::max()))));
+}
+
+TEST(E4M3, KnownValues) {
+  // Values from the OCP FP8 spec (E4M3: bias 7, 3 mantissa bits, no infinity).
+  EXPECT_EQ(e4m3_to_float(0x00), 0.0f);
+  EXPECT_TRUE(std::signbit(e4m3_to_float(0x80)));
+  EXPECT_EQ(e4m3_to_float(0x01), 0x1p-9f);            // smallest subnormal
+  EXPECT_EQ(e4m3_to_float(0x07), 7 * 0x1p-9f);        // largest subnormal
+  EXPECT_EQ(e4m3_to_float(0x08), 0x1p-6f);            // smallest normal
+  EXPECT_EQ(e4m3_to_float(0x38), 1.0f);
+  EXPECT_EQ(e4m3_to_float(0x3C), 1.5f);
+  EXPECT_EQ(e4m3_to_float(0x7E), 448.0f);             // largest finite
+  EXPECT_EQ(e4m3_to_float(0xFE), -448.0f);
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0xFF)));
+}
+
+TEST(E4M3, EveryCodeRoundTrips) {
+  int nans = 0;
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    const float v = e4m3_to_float(code);
+    if (std::isnan(v)) {
+      ++nans;
+      EXPECT_TRUE(std::isnan(e4m3_to_float(e4m3_from_float(v))));
+      continue;
+    }
+    EXPECT_EQ(e4m3_from_float(v), code) << "code " << c << " value " << v;
+  }
+  EXPECT_EQ(nans, 2);  // only 0x7F and 0xFF
+}
+
+TEST(E4M3, TiesGoToTheEvenCodeBetweenEveryPair) {
+  // Positive finite codes 0x00..0x7E are ordered by value; test every gap.
+  for (int c = 0; c < 0x7E; ++c) {
+    const float lo = e4m3_to_float(static_cast<uint8_t>(c));
+    const float hi = e4m3_to_float(static_cast<uint8_t>(c + 1));
+    ASSERT_LT(lo, hi);
+    const float mid = 0.5f * (lo + hi);  // exact: fp32 has many more bits than E4M3
+    const int even = (c % 2 == 0) ? c : c + 1;
+    EXPECT_EQ(e4m3_from_float(mid), even) << "between codes " << c << " and " << c + 1;
+    EXPECT_EQ(e4m3_from_float(std::nextafter(mid, 0.0f)), c);
+    EXPECT_EQ(e4m3_from_float(std::nextafter(mid, 1000.0f)), c + 1);
+    EXPECT_EQ(e4m3_from_float(-mid), 0x80 | even);
+  }
+}
+
+TEST(E4M3, SaturatesAndKeepsNaN) {
+  EXPECT_EQ(e4m3_from_float(449.0f), 0x7E);
+  EXPECT_EQ(e4m3_from_float(1e30f), 0x7E);
+  EXPECT_EQ(e4m3_from_float(-std::numeric_limits<float>::infinity()), 0xFE);
+  EXPECT_EQ(e4m3_from_float(std::nanf("")), 0x7F);
+  EXPECT_EQ(e4m3_from_float(0x1p-11f), 0x00);  // below half the smallest subnormal
+}
+
+TEST(E2M1, EveryCode) {
+  // DESIGN.md section 3: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, sign in bit 3.
+  const float magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (int c = 0; c < 16; ++c) {
+    const float v = e2m1_to_float(static_cast<uint8_t>(c));
+    EXPECT_EQ(std::fabs(v), magnitudes[c & 7]) << c;
+    EXPECT_EQ(std::signbit(v), (c & 8) != 0) << c;
+    EXPECT_EQ(e2m1_from_float(v), c) << c;
+  }
+}
+
+TEST(E2M1, TiesGoToTheEvenCode) {
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(0.25f)), 0.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(0.26f)), 0.5f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(0.75f)), 1.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(1.25f)), 1.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(1.75f)), 2.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(2.5f)), 2.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(3.5f)), 4.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(5.0f)), 4.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(5.01f)), 6.0f);
+  EXPECT_EQ(e2m1_to_float(e2m1_from_float(-100.0f)), -6.0f);
+  EXPECT_EQ(e2m1_from_float(std::nanf("")), 0);
+}
+
+TEST(Nvfp4, DecodesAHandPackedMatrix) {
+  // One row of 32: byte 0 = 0x2F holds element 0 in its low nibble (0xF = -6) and element 1
+  // in its high nibble (0x2 = 1.0). Block 0 scale 0x38 = 1.0, block 1 scale 0x40 = 2.0.
+  QuantMatrix m;
+  m.spec = {WeightFormat::kNVFP4};
+  m.rows = 1;
+  m.cols = 32;
+  m.data.assign(16, 0);
+  m.data[0] = 0x2F;
+  m.data[8] = 0x71;  // elements 16 (0.5) and 17 (6)
+  m.block_scales = {0x38, 0x40};
+  m.global_scale = 0.5f;
+  ASSERT_OK(m.check("m"));
+  const std::vector<float> w = m.dequantize();
+  EXPECT_EQ(w[0], -3.0f);   // -6 * 1.0 * 0.5
+  EXPECT_EQ(w[1], 0.5f);    // 1 * 1.0 * 0.5
+  EXPECT_EQ(w[16], 0.5f);   // 0.5 * 2.0 * 0.5
+  EXPECT_EQ(w[17], 6.0f);   // 6 * 2.0 * 0.5
+  EXPECT_EQ(w[2], 0.0f);
+}
+
+TEST(Nvfp4, PacksElementZeroInTheLowNibble) {
+  std::vector<float> row(16, 0.0f);
+  row[0] = 6.0f;
+  row[1] = 0.5f;
+  const QuantMatrix m = take(QuantMatrix::quantize(row, 1, 16, {WeightFormat::kNVFP4}));
+  // amax 6 -> block scale 448 (0x7E) and global 6 / (6 * 448): element codes 7 (6.0) and 1 (0.5).
+  EXPECT_EQ(m.block_scales[0], 0x7E);
+  EXPECT_EQ(m.data[0], 0x17);
+  const std::vector<float> back = m.dequantize();
+  EXPECT_NEAR(back[0], 6.0f, 1e-6f);
+  EXPECT_NEAR(back[1], 0.5f, 1e-6f);
+}
+
+TEST(Nvfp4, AllZeroBlocks) {
+  std::vector<float> values(2 * 32, 0.0f);
+  for (int i = 16; i < 32; ++i) values[static_cast<size_t>(i)] = static_cast<float>(i - 20);
+  const QuantMatrix m = take(QuantMatrix::quantize(values, 2, 32, {WeightFormat::kNVFP4}));
+  EXPECT_EQ(m.block_scales[0], 0x00);  // row 0, block 0: all zero
+  EXPECT_EQ(m.block_scales[2], 0x00);  // row 1 is all zero
+  EXPECT_EQ(m.block_scales[3], 0x00);
+  const std::vector<float> back = m.dequantize();
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(back[static_cast<size_t>(i)], 0.0f);
+  for (int i = 32; i < 64; ++i) EXPECT_EQ(back[static_cast<size_t>(i)], 0.0f);
+
+  const QuantMatrix zeros = take(QuantMatrix::quantize(std::vector<float>(64, 0.0f), 2, 32, {WeightFormat::kNVFP4}));
+  EXPECT_EQ(zeros.global_scale, 1.0f);
+  for (float v : zeros.dequantize()) EXPECT_EQ(v, 0.0f);
+}
+
+std::vector<float> wavy(int64_t rows, int64_t cols) {
+  // Deterministic values spanning several binades, with sign changes and a few exact zeros.
+  std::vector<float> v(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    v[static_cast<size_t>(i)] = (i % 37 == 0) ? 0.0f : std::sin(0.37f * static_cast<float>(i)) * std::exp(std::cos(0.011f * static_cast<float>(i)) * 3.0f);
+  }
+  return v;
+}
+
+TEST(Nvfp4, RoundTripWithinHalfAStep) {
+  const int64_t rows = 9, cols = 80;
+  const std::vector<float> v = wavy(rows, cols);
+  const QuantMatrix m = take(QuantMatrix::quantize(v, rows, cols, {WeightFormat::kNVFP4}));
+  ASSERT_OK(m.check("m"));
+  const std::vector<float> back = m.dequantize();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const size_t i = static_cast<size_t>(r * cols + c);
+      const float step = e4m3_to_float(m.block_scales[static_cast<size_t>(r * (cols / 16) + c / 16)]) * m.global_scale;
+      // The E2M1 grid's widest gap is 2 (between 4 and 6), so rounding is off by at most
+      // one step unit; the block's largest value may saturate at 6 when the E4M3 block scale
+      // rounded down, by at most 6 * 2^-4 units. Both stay under 1 unit.
+      EXPECT_LE(std::fabs(back[i] - v[i]), step * 1.0f + 1e-7f) << r << "," << c;
+    }
+  }
+}
+
+TEST(Fp8, RoundTripEveryScalingOnRaggedShapes) {
+  // 200 x 300: neither is a multiple of 128, so the last block row and column are partial.
+  const int64_t rows = 200, cols = 300;
+  const std::vector<float> v = wavy(rows, cols);
+  for (Fp8Scaling scaling : {Fp8Scaling::kBlock128, Fp8Scaling::kPerChannel, Fp8Scaling::kPerTensor}) {
+    const QuantMatrix m = take(QuantMatrix::quantize(v, rows, cols, {WeightFormat::kFP8, scaling}));
+    ASSERT_OK(m.check("m"));
+    const size_t expect_scales = scaling == Fp8Scaling::kBlock128 ? 2 * 3 : scaling == Fp8Scaling::kPerChannel ? 200 : 1;
+    EXPECT_EQ(m.scales.size(), expect_scales);
+    const std::vector<float> back = m.dequantize();
+    for (size_t i = 0; i < v.size(); ++i) {
+      // 3 mantissa bits: relative error <= 2^-4 for normals; below 2^-6 (subnormals)
+      // the absolute error is at most half the subnormal step 2^-9, times the scale.
+      const int64_t r = static_cast<int64_t>(i) / cols, c = static_cast<int64_t>(i) % cols;
+      const float scale = scaling == Fp8Scaling::kBlock128 ? m.scales[static_cast<size_t>((r / 128) * 3 + c / 128)]
+                          : scaling == Fp8Scaling::kPerChannel ? m.scales[static_cast<size_t>(r)]
+                                                               : m.scales[0];
+      const float bound = std::max(std::fabs(v[i]) * 0x1p-4f, 0x1p-10f * scale) * 1.0001f;
+      EXPECT_LE(std::fabs(back[i] - v[i]), bound) << quant_spec_name(m.spec) << " element " << i;
+    }
+  }
+}
+
+TEST(Bf16Matrix, ExactForRepresentableValues) {
+  std::vector<float> v = wavy(3, 7);
+  for (float& x : v) x = round_to_bf16(x);
+  const QuantMatrix m = take(QuantMatrix::quantize(v, 3, 7, {WeightFormat::kBF16}));
+  EXPECT_EQ(m.dequantize(), v);
+  EXPECT_EQ(m.bytes(), 3 * 7 * 2);
+}
+
+TEST(QuantMatrix, RefusesBadInputWithANamedError) {
+  const Result<QuantMatrix> ragged = QuantMatrix::quantize(std::vector<float>(100), 1, 100, {WeightFormat::kNVFP4});
+  ASSERT_FALSE(ragged.ok());
+  EXPECT_EQ(ragged.status().message(), "in_features 100 is not a multiple of the NVFP4 group 16");
+  const Result<QuantMatrix> short_input = QuantMatrix::quantize(std::vector<float>(10), 2, 16, {WeightFormat::kBF16});
+  ASSERT_FALSE(short_input.ok());
+  EXPECT_EQ(short_input.status().message(), "quantize: 10 values given for a [2, 16] matrix");
+
+  QuantMatrix m = take(QuantMatrix::quantize(wavy(4, 32), 4, 32, {WeightFormat::kFP8, Fp8Scaling::kPerChannel}));
+  m.scales[2] = std::nanf("");
+  EXPECT_EQ(m.check("w").message(), "w: FP8 scale 2 is not finite (nan)");
+  m.scales.pop_back();
+  EXPECT_EQ(m.check("w").message(), "w: scales holds 3 entries, a [4, 32] fp8-channel matrix needs 4");
+
+  QuantMatrix n = take(QuantMatrix::quantize(wavy(4, 32), 4, 32, {WeightFormat::kNVFP4}));
+  n.block_scales[5] = 0x7F;
+  EXPECT_EQ(n.check("w").message(), "w: NVFP4 block scale 5 is NaN");
+}
+
+TEST(QuantSpec, ParsesNames) {
+  EXPECT_EQ(take(parse_quant_spec("nvfp4")).format, WeightFormat::kNVFP4);
+  EXPECT_EQ(take(parse_quant_spec("fp8")), (QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128}));
+  EXPECT_EQ(take(parse_quant_spec("fp8-tensor")), (QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerTensor}));
+  EXPECT_EQ(quant_spec_name({WeightFormat::kFP8, Fp8Scaling::kPerChannel}), "fp8-channel");
+  EXPECT_FALSE(parse_quant_spec("int4").ok());
+}
+
+TEST(QuantMatrix, BytesCountCodesAndScales) {
+  EXPECT_EQ(quantized_bytes({WeightFormat::kNVFP4}, 768, 2048), 768 * 1024 + 768 * 128 + 4);
+  EXPECT_EQ(quantized_bytes({WeightFormat::kFP8, Fp8Scaling::kBlock128}, 200, 300), 200 * 300 + 6 * 4);
+  EXPECT_EQ(quantized_bytes({WeightFormat::kBF16}, 3, 5), 30);
+}
+
+}  // namespace
+}  // namespace moeinfer
