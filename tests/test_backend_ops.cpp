@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
 #include "test_util.h"
+#include "test_main.h"
 
 namespace moeinfer {
 namespace {
@@ -58,6 +60,9 @@ struct Case {
   int64_t n;
 };
 
+// gtest prints this instead of the bytes of a Case.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.variant.name << " " << c.format << " n=" << c.n; }
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const Variant& v : variants()) {
@@ -75,72 +80,97 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return info.param.variant.name + "_" + f + "_n" + std::to_string(info.param.n);
 }
 
-class BackendOps : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    const Case& c = GetParam();
-    const LayerDesc desc = family_layer(c.variant.family, c.variant.shape);
-    const QuantSpec spec = testing::take(parse_quant_spec(c.format));
-    layer_ = std::make_unique<Layer>(testing::take(make_synthetic_layer(desc, spec, /*seed=*/7)));
-    x_ = make_tokens(c.n, desc.hidden, /*seed=*/11 + static_cast<uint64_t>(c.n));
-    if (c.variant.identical_tokens) {
-      for (int64_t t = 1; t < c.n; ++t) {
-        std::copy_n(x_.begin(), desc.hidden, x_.begin() + t * desc.hidden);
-      }
-    }
-    expected_.assign(x_.size(), std::nanf(""));
-    ASSERT_OK(moe_forward_reference(*layer_, x_, c.n, expected_));
-    for (float v : expected_) ASSERT_TRUE(std::isfinite(v));
-  }
-
-  // Runs `forward` on poisoned output and checks every element was written, finite, and within
-  // `tolerance` (relative L2) of the reference.
-  template <class Forward>
-  void check_against_reference(const std::string& who, double tolerance, Forward forward) {
-    std::vector<float> out(x_.size(), std::nanf(""));  // poison
-    ASSERT_OK(forward(out));
-    for (size_t i = 0; i < out.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(out[i])) << who << ": element " << i << " not written or not finite";
-    }
-    const double err = testing::rel_l2(out, expected_);
-    EXPECT_LE(err, tolerance) << who << " disagrees with the reference";
-  }
-
-  std::unique_ptr<Layer> layer_;
-  std::vector<float> x_;
-  std::vector<float> expected_;
+// One case: its layer, tokens and the reference output, made once per test.
+struct Fixture {
+  std::unique_ptr<Layer> layer;
+  std::vector<float> x;
+  std::vector<float> expected;
 };
 
-TEST_P(BackendOps, HfMirrorMatchesReference) {
+Fixture make_fixture(const Case& c) {
+  Fixture f;
+  const LayerDesc desc = family_layer(c.variant.family, c.variant.shape);
+  const QuantSpec spec = testing::take(parse_quant_spec(c.format));
+  f.layer = std::make_unique<Layer>(testing::take(make_synthetic_layer(desc, spec, /*seed=*/7)));
+  f.x = make_tokens(c.n, desc.hidden, /*seed=*/11 + static_cast<uint64_t>(c.n));
+  if (c.variant.identical_tokens) {
+    for (int64_t t = 1; t < c.n; ++t) std::copy_n(f.x.begin(), desc.hidden, f.x.begin() + t * desc.hidden);
+  }
+  f.expected.assign(f.x.size(), std::nanf(""));
+  const Status s = moe_forward_reference(*f.layer, f.x, c.n, f.expected);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  for (float v : f.expected) EXPECT_TRUE(std::isfinite(v));
+  return f;
+}
+
+// Runs `forward` on a poisoned output and checks every element was written, finite, and
+// within `tolerance` (relative L2) of the reference.
+template <class Forward>
+void check_against_reference(const Fixture& f, const std::string& who, double tolerance, Forward forward) {
+  std::vector<float> out(f.x.size(), std::nanf(""));  // poison
+  const Status s = forward(out);
+  ASSERT_TRUE(s.ok()) << who << ": " << s.to_string();
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(out[i])) << who << ": element " << i << " not written or not finite";
+  }
+  EXPECT_LE(testing::rel_l2(out, f.expected), tolerance) << who << " disagrees with the reference";
+}
+
+class HfMirror : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HfMirror, MatchesReference) {
   // Both evaluate in double from the same dequantized weights; only the summation order
   // differs, so they agree to ~1e-15 unless a route, weight or blend differs.
-  check_against_reference("hf mirror", 1e-10, [&](std::span<float> out) {
-    return testing::hf_mirror_forward(*layer_, x_, GetParam().n, out);
+  const Fixture f = make_fixture(GetParam());
+  check_against_reference(f, "hf mirror", 1e-10, [&](std::span<float> out) {
+    return testing::hf_mirror_forward(*f.layer, f.x, GetParam().n, out);
   });
 }
 
-TEST_P(BackendOps, EveryBackendMatchesReference) {
-  std::string skipped;
-  int ran = 0;
-  for (const BackendAvailability& b : backend_availability()) {
-    if (b.kind == BackendKind::kReference) continue;
-    if (!b.available) {
-      skipped += std::string(backend_name(b.kind)) + " (" + b.reason + "); ";
-      continue;
-    }
-    std::unique_ptr<Backend> backend = testing::take(make_backend(b.kind));
+INSTANTIATE_TEST_SUITE_P(BackendOps, HfMirror, ::testing::ValuesIn(all_cases()), case_name);
+
+class BackendCase : public ::testing::Test {
+ public:
+  BackendCase(BackendKind kind, Case c) : kind_(kind), case_(std::move(c)) {}
+  void TestBody() override {
+    const Fixture f = make_fixture(case_);
+    std::unique_ptr<Backend> backend = testing::take(make_backend(kind_));
     // Backends keep activations in bf16 between the projections: each rounding is off by at
     // most 2^-9 relative, a few of them in sequence, so 1e-2 relative L2 leaves ample room
     // while any wrong route (an expert's whole contribution) lands far above it.
-    check_against_reference(backend_name(b.kind), 1e-2, [&](std::span<float> out) {
-      return backend->forward(*layer_, x_, GetParam().n, out, nullptr);
+    check_against_reference(f, backend_name(kind_), 1e-2, [&](std::span<float> out) {
+      return backend->forward(*f.layer, f.x, case_.n, out, nullptr);
     });
-    ++ran;
   }
-  if (ran == 0) GTEST_SKIP() << "no backend besides the reference is available: " << skipped;
+
+ private:
+  BackendKind kind_;
+  Case case_;
+};
+
+// Absent backends get one loud skip with the reason, instead of a skip per case.
+TEST(BackendOps, UnavailableBackends) {
+  std::string missing;
+  for (const BackendAvailability& b : backend_availability()) {
+    if (!b.available) missing += std::string(backend_name(b.kind)) + ": " + b.reason + "; ";
+  }
+  if (!missing.empty()) GTEST_SKIP() << "backends not tested here: " << missing;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, BackendOps, ::testing::ValuesIn(all_cases()), case_name);
-
 }  // namespace
+
+// Registers BackendOps_<backend>.<case> for every backend this build and machine have, so the
+// same test binary runs the GPU cases where a GPU is present.
+void register_backend_ops_tests() {
+  for (const BackendAvailability& b : backend_availability()) {
+    if (!b.available || b.kind == BackendKind::kReference) continue;
+    for (const Case& c : all_cases()) {
+      const std::string suite = std::string("BackendOps_") + backend_name(b.kind);
+      const std::string name = case_name(::testing::TestParamInfo<Case>(c, 0));
+      ::testing::RegisterTest(suite.c_str(), name.c_str(), nullptr, nullptr, __FILE__, __LINE__,
+                              [kind = b.kind, c]() -> ::testing::Test* { return new BackendCase(kind, c); });
+    }
+  }
+}
+
 }  // namespace moeinfer

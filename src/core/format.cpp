@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -58,7 +59,9 @@ uint16_t bf16_from_float(float value) {
 
 float bf16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
-float e4m3_to_float(uint8_t code) {
+namespace {
+
+float e4m3_decode(uint8_t code) {
   const bool negative = code & 0x80;
   const int exponent = (code >> 3) & 0xF;
   const int mantissa = code & 0x7;
@@ -72,6 +75,20 @@ float e4m3_to_float(uint8_t code) {
   }
   return negative ? -magnitude : magnitude;
 }
+
+// All 256 values, decoded once: the reference and the quantizers decode billions of codes.
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = e4m3_decode(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+float e4m3_to_float(uint8_t code) { return e4m3_table()[code]; }
 
 uint8_t e4m3_from_float(float value) {
   if (std::isnan(value)) return 0x7F;
@@ -312,23 +329,28 @@ void QuantMatrix::dequantize_row(int64_t r, float* out) const {
       return;
     case WeightFormat::kFP8: {
       const int64_t scols = fp8_scale_cols();
+      const uint8_t* codes = data.data() + r * cols;
       for (int64_t c = 0; c < cols; ++c) {
         int64_t s = 0;
         if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * scols + c / kFp8Block;
         else if (spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
-        out[c] = e4m3_to_float(data[static_cast<size_t>(r * cols + c)]) * scales[static_cast<size_t>(s)];
+        out[c] = e4m3_to_float(codes[c]) * scales[static_cast<size_t>(s)];
       }
       return;
     }
     case WeightFormat::kNVFP4: {
       const int64_t groups = cols / kNvfp4Group;
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t byte = data[static_cast<size_t>((r * cols + c) / 2)];
-        const uint8_t code = (c % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-        const float block_scale = e4m3_to_float(block_scales[static_cast<size_t>(r * groups + c / kNvfp4Group)]);
-        // e2m1 * e4m3 is exact in fp32 (at most 2 + 4 significant bits); only the global
-        // scale rounds, once.
-        out[c] = (e2m1_to_float(code) * block_scale) * global_scale;
+      const uint8_t* bytes = data.data() + r * cols / 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float block_scale = e4m3_to_float(block_scales[static_cast<size_t>(r * groups + g)]);
+        for (int64_t i = 0; i < kNvfp4Group; ++i) {
+          const int64_t c = g * kNvfp4Group + i;
+          const uint8_t byte = bytes[c / 2];
+          const uint8_t code = (c % 2 == 0) ? (byte & 0xF) : (byte >> 4);  // element 2i low
+          // e2m1 * e4m3 is exact in fp32 (at most 2 + 4 significant bits); only the global
+          // scale rounds, once.
+          out[c] = (e2m1_to_float(code) * block_scale) * global_scale;
+        }
       }
       return;
     }

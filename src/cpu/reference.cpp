@@ -32,11 +32,14 @@ std::vector<double> softmax(std::span<const double> v) {
   return out;
 }
 
-// out[r] = sum_c W[r, c] * in[c] (+ bias[r]), weights dequantized a row at a time.
+// out[r] = sum_c W[r, c] * in[c] (+ bias[r]), weights dequantized a row at a time. Rows are
+// independent sums, so splitting them over threads changes no result.
 void matvec(const QuantMatrix& w, std::span<const float> bias, std::span<const double> in,
             std::span<double> out) {
-  std::vector<float> row(static_cast<size_t>(w.cols));
+#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < w.rows; ++r) {
+    thread_local std::vector<float> row;
+    row.resize(static_cast<size_t>(w.cols));
     w.dequantize_row(r, row.data());
     double acc = bias.empty() ? 0.0 : bias[static_cast<size_t>(r)];
     for (int64_t c = 0; c < w.cols; ++c) acc += static_cast<double>(row[static_cast<size_t>(c)]) * in[static_cast<size_t>(c)];
