@@ -73,7 +73,7 @@ Result<std::unique_ptr<Backend>> make_backend(BackendKind kind) {
   if (kind == BackendKind::kReference) return std::unique_ptr<Backend>(new ReferenceBackend());
   for (const BackendAvailability& b : backend_availability()) {
     if (b.kind == kind && !b.available) {
-      return unavailable(fmt::format("backend '{}' is unavailable: {}", backend_name(kind), b.reason));
+      return unavailable(fmt::format("backend '{}': {}", backend_name(kind), b.reason));
     }
   }
   return internal_error(fmt::format("backend '{}' is listed as available but cannot be made", backend_name(kind)));
