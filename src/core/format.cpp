@@ -9,6 +9,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/parallel.h"
+
 namespace moeinfer {
 
 const char* format_name(WeightFormat format) {
@@ -203,7 +205,7 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
   switch (spec.format) {
     case WeightFormat::kBF16: {
       m.data.resize(static_cast<size_t>(rows * cols) * 2);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
           const uint16_t bits = bf16_from_float(src[r * cols + c]);
@@ -221,7 +223,7 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
                                                                                : rows;
       const int64_t block_cols = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : cols;
       m.scales.resize(static_cast<size_t>(srows * scols));
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (rows * cols >= kParallelMinElements)
       for (int64_t sr = 0; sr < srows; ++sr) {
         for (int64_t sc = 0; sc < scols; ++sc) {
           const int64_t r0 = sr * block_rows, r1 = std::min(rows, r0 + block_rows);
@@ -249,7 +251,7 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
       const int64_t groups = cols / kNvfp4Group;
       m.data.assign(static_cast<size_t>(rows * cols / 2), 0);
       m.block_scales.resize(static_cast<size_t>(rows * groups));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < groups; ++g) {
           const float* block = src + r * cols + g * kNvfp4Group;

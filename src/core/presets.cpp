@@ -6,6 +6,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/parallel.h"
+
 namespace moeinfer {
 
 namespace {
@@ -91,7 +93,7 @@ uint64_t stream_seed(uint64_t seed, Tensor tensor, int64_t expert, int64_t row) 
 std::vector<float> normal_matrix(uint64_t seed, Tensor tensor, int64_t expert, int64_t rows,
                                  int64_t cols, float std) {
   std::vector<float> values(static_cast<size_t>(rows * cols));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     Rng rng(stream_seed(seed, tensor, expert, r));
     float* row = values.data() + r * cols;

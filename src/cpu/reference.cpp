@@ -8,6 +8,8 @@
 #include <limits>
 #include <numeric>
 
+#include "core/parallel.h"
+
 namespace moeinfer {
 
 namespace {
@@ -36,7 +38,7 @@ std::vector<double> softmax(std::span<const double> v) {
 // independent sums, so splitting them over threads changes no result.
 void matvec(const QuantMatrix& w, std::span<const float> bias, std::span<const double> in,
             std::span<double> out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (w.rows * w.cols >= kParallelMinElements)
   for (int64_t r = 0; r < w.rows; ++r) {
     thread_local std::vector<float> row;
     row.resize(static_cast<size_t>(w.cols));
