@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "moeinfer/plan.h"
 #include "moeinfer/status.h"
 #include "moeinfer/weights.h"
 
@@ -28,6 +30,11 @@ Result<BackendKind> parse_backend(std::string_view name);
 struct ForwardInfo {
   std::string path;    // e.g. "reference"
   std::string detail;  // e.g. "double accumulation, 9 experts touched"
+  std::string plan;    // Plan::explain() where the backend plans
+};
+
+struct BackendOptions {
+  std::optional<PathKind> path;  // force a path (CUDA); nullopt lets plan() choose
 };
 
 class Backend {
@@ -48,6 +55,6 @@ struct BackendAvailability {
 std::vector<BackendAvailability> backend_availability();
 
 // The backend of that kind, or a named refusal when this build or machine lacks it.
-Result<std::unique_ptr<Backend>> make_backend(BackendKind kind);
+Result<std::unique_ptr<Backend>> make_backend(BackendKind kind, const BackendOptions& options = {});
 
 }  // namespace moeinfer

@@ -59,6 +59,10 @@ class Layer {
   Status load_experts(std::span<const int> ids, const ProgressFn& progress = {}) const;
   int loaded_experts() const;
 
+  // Unique per constructed Layer (kept across moves): lets a backend tell whether the layer it
+  // uploaded is the one it is given.
+  uint64_t id() const { return id_; }
+
   // Checks desc and every resident tensor (router, biases, shared expert) against it.
   Status check() const;
 
@@ -68,6 +72,7 @@ class Layer {
 
  private:
   struct Cache;
+  uint64_t id_;
   ExpertLoader loader_;
   std::unique_ptr<Cache> cache_;
 };

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "cuda/device.h"
+#include "moeinfer/cuda.h"
 #include "moeinfer/reference.h"
 
 namespace moeinfer {
@@ -44,34 +45,38 @@ class ReferenceBackend final : public Backend {
 
 std::vector<BackendAvailability> backend_availability() {
   std::vector<BackendAvailability> list;
-  // Best first. The CUDA and fast CPU backends are their own issues; until they land they are
-  // reported as absent with the reason, never faked by another backend.
+  // Best first. An absent backend is reported with the reason, never faked by another.
   const CudaProbe probe = probe_cuda();
-  std::string cuda_reason;
   if (!probe.compiled) {
-    cuda_reason = "this build has no CUDA support (nvcc was not found when it was configured)";
+    list.push_back({BackendKind::kCuda, false, "this build has no CUDA support (nvcc was not found when it was configured)"});
   } else if (probe.device_count == 0) {
-    cuda_reason = fmt::format("no CUDA device is visible ({})", probe.error);
+    list.push_back({BackendKind::kCuda, false, fmt::format("no CUDA device is visible ({})", probe.error)});
+  } else if (!probe.kernels_runnable) {
+    list.push_back({BackendKind::kCuda, false,
+                    fmt::format("{} is sm_{}{}, and this build's kernels target sm_90a", probe.name, probe.sm_major,
+                                probe.sm_minor)});
   } else {
-    cuda_reason = fmt::format("{} CUDA device(s) found ({}, sm_{}{}), but the CUDA forward path is "
-                              "not implemented yet",
-                              probe.device_count, probe.name, probe.sm_major, probe.sm_minor);
+    list.push_back({BackendKind::kCuda, true, ""});
   }
-  list.push_back({BackendKind::kCuda, false, cuda_reason});
   list.push_back({BackendKind::kCpu, false, "the fast CPU backend is not implemented yet"});
   list.push_back({BackendKind::kReference, true, ""});
   return list;
 }
 
-Result<std::unique_ptr<Backend>> make_backend(BackendKind kind) {
+Result<std::unique_ptr<Backend>> make_backend(BackendKind kind, const BackendOptions& options) {
   if (kind == BackendKind::kAuto) {
     for (const BackendAvailability& b : backend_availability()) {
-      if (b.available) return make_backend(b.kind);
+      if (b.available) return make_backend(b.kind, options);
     }
     return unavailable("no backend is available");
   }
+  if (options.path && kind != BackendKind::kCuda) {
+    return invalid_argument(fmt::format("backend '{}' has no path '{}' (paths are a CUDA choice)", backend_name(kind),
+                                        path_name(*options.path)));
+  }
   if (kind == BackendKind::kReference) return std::unique_ptr<Backend>(new ReferenceBackend());
   for (const BackendAvailability& b : backend_availability()) {
+    if (b.kind == kind && b.available && kind == BackendKind::kCuda) return make_cuda_backend(options.path);
     if (b.kind == kind && !b.available) {
       return unavailable(fmt::format("backend '{}': {}", backend_name(kind), b.reason));
     }

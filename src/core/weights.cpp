@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <mutex>
 
@@ -60,8 +61,12 @@ struct Layer::Cache {
   std::vector<std::unique_ptr<ExpertWeights>> experts;
 };
 
+namespace {
+std::atomic<uint64_t> next_layer_id{1};
+}  // namespace
+
 Layer::Layer(LayerDesc d, ExpertLoader loader)
-    : desc(d), loader_(std::move(loader)), cache_(std::make_unique<Cache>()) {
+    : desc(d), id_(next_layer_id.fetch_add(1)), loader_(std::move(loader)), cache_(std::make_unique<Cache>()) {
   cache_->experts.resize(static_cast<size_t>(std::max(d.num_experts, 0)));
 }
 Layer::Layer(Layer&&) noexcept = default;

@@ -11,6 +11,7 @@ struct CudaProbe {
   std::string name;       // device 0
   int sm_major = 0;
   int sm_minor = 0;
+  bool kernels_runnable = false;  // this build has kernel images for device 0
   std::string error;      // why device_count is 0, when it is
 };
 

@@ -1,5 +1,7 @@
-// Built instead of device.cu when the CUDA toolkit is absent.
+// Built instead of the .cu files when the CUDA toolkit is absent: every CUDA entry point
+// reports that this build has no CUDA.
 #include "cuda/device.h"
+#include "moeinfer/cuda.h"
 
 namespace moeinfer {
 
@@ -8,5 +10,28 @@ CudaProbe probe_cuda() {
   probe.error = "built without CUDA";
   return probe;
 }
+
+namespace {
+Status no_cuda() { return unavailable("this build has no CUDA support (nvcc was not found when it was configured)"); }
+}  // namespace
+
+struct CudaMoe::Impl {
+  LayerDesc desc;
+  Plan plan;
+};
+
+CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaMoe::~CudaMoe() = default;
+Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer&, int64_t, std::optional<PathKind>, const ProgressFn&) {
+  return no_cuda();
+}
+Status CudaMoe::forward(const float*, int64_t, float*, void*) const { return no_cuda(); }
+const Plan& CudaMoe::plan() const { return impl_->plan; }
+const LayerDesc& CudaMoe::desc() const { return impl_->desc; }
+uint64_t CudaMoe::layer_id() const { return 0; }
+int64_t CudaMoe::weight_bytes() const { return 0; }
+int64_t CudaMoe::workspace_bytes() const { return 0; }
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(std::optional<PathKind>) { return no_cuda(); }
 
 }  // namespace moeinfer

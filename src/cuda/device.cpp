@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/device.h"
+#include "cuda/moe_kernels.cuh"
 
 namespace moeinfer {
 
@@ -26,6 +27,7 @@ CudaProbe probe_cuda() {
   probe.name = prop.name;
   probe.sm_major = prop.major;
   probe.sm_minor = prop.minor;
+  probe.kernels_runnable = cuda::kernels_runnable();
   return probe;
 }
 

@@ -1,0 +1,48 @@
+// Path selection (DESIGN.md section 5): a pure function from (layer, format, N, device) to the
+// path that runs it, with the reasons, so it can be unit-tested and printed (--explain).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moeinfer/format.h"
+#include "moeinfer/layer.h"
+#include "moeinfer/status.h"
+
+namespace moeinfer {
+
+enum class PathKind : uint8_t {
+  kTokenMajor,  // router -> top-k -> gate/up of every route -> act/down of every route -> blend
+  kPerRow,      // same routing; one thread per output row, scalar loads: any shape, slower
+};
+const char* path_name(PathKind path);  // "token-major", "per-row"
+Result<PathKind> parse_path(std::string_view name);
+
+struct DeviceDesc {
+  int sm_major = 9;
+  int sm_minor = 0;
+};
+
+struct Plan {
+  PathKind path = PathKind::kTokenMajor;
+  int64_t max_tokens = 0;
+  std::vector<std::string> reasons;  // why this path, one line each
+
+  std::string explain() const;
+};
+
+// Limits of the CUDA paths that plan() checks.
+inline constexpr int kCudaMaxRouterOutputs = 4096;  // router logits and keys live in shared memory
+inline constexpr int kCudaMaxTopK = 64;
+inline constexpr int kCudaMaxGroups = 64;
+inline constexpr int64_t kTokenMajorVector = 8;    // token-major loads 8 weights at a time
+
+// Chooses the path for `max_tokens` tokens per call, or follows `forced` when it can run the
+// layer; a forced path that cannot is a named refusal.
+Result<Plan> plan_cuda(const LayerDesc& desc, QuantSpec spec, int64_t max_tokens, const DeviceDesc& device,
+                       std::optional<PathKind> forced = std::nullopt);
+
+}  // namespace moeinfer

@@ -1,0 +1,92 @@
+#include "moeinfer/plan.h"
+
+#include <fmt/format.h>
+
+namespace moeinfer {
+
+const char* path_name(PathKind path) {
+  switch (path) {
+    case PathKind::kTokenMajor: return "token-major";
+    case PathKind::kPerRow: return "per-row";
+  }
+  return "?";
+}
+
+Result<PathKind> parse_path(std::string_view name) {
+  for (PathKind p : {PathKind::kTokenMajor, PathKind::kPerRow}) {
+    if (name == path_name(p)) return p;
+  }
+  return invalid_argument(fmt::format("unknown path '{}' (expected token-major or per-row)", name));
+}
+
+std::string Plan::explain() const {
+  std::string s = fmt::format("path {} for up to {} tokens", path_name(path), max_tokens);
+  for (const std::string& r : reasons) s += "\n  - " + r;
+  return s;
+}
+
+namespace {
+
+// Why token-major cannot run this layer, or "" when it can.
+std::string token_major_refusal(const LayerDesc& d) {
+  const auto misaligned = [](const char* what, int64_t v) {
+    return fmt::format("{} {} is not a multiple of {} (token-major loads {} weights at a time)", what, v,
+                       kTokenMajorVector, kTokenMajorVector);
+  };
+  if (d.hidden % kTokenMajorVector != 0) return misaligned("hidden_size", d.hidden);
+  if (d.intermediate % kTokenMajorVector != 0) return misaligned("moe_intermediate_size", d.intermediate);
+  if (d.has_shared() && d.shared_intermediate % kTokenMajorVector != 0) {
+    return misaligned("shared_expert_intermediate_size", d.shared_intermediate);
+  }
+  return "";
+}
+
+}  // namespace
+
+Result<Plan> plan_cuda(const LayerDesc& d, QuantSpec spec, int64_t max_tokens, const DeviceDesc& device,
+                       std::optional<PathKind> forced) {
+  MOEINFER_RETURN_IF_ERROR(validate(d, spec));
+  if (max_tokens < 1) return invalid_argument(fmt::format("max_tokens must be positive (got {})", max_tokens));
+  if (device.sm_major < 9) {
+    return unsupported(fmt::format("the CUDA paths are built for sm_90a (Hopper); this device is sm_{}{}",
+                                   device.sm_major, device.sm_minor));
+  }
+  // Both paths share the router kernel, which keeps the logits of one token in shared memory.
+  if (d.router_outputs() > kCudaMaxRouterOutputs) {
+    return unsupported(fmt::format("router of {} outputs: the CUDA router holds at most {}", d.router_outputs(),
+                                   kCudaMaxRouterOutputs));
+  }
+  if (d.top_k > kCudaMaxTopK) {
+    return unsupported(fmt::format("top_k {}: the CUDA router selects at most {}", d.top_k, kCudaMaxTopK));
+  }
+
+  if (d.routing.n_group > kCudaMaxGroups) {
+    return unsupported(fmt::format("n_group {}: the CUDA router handles at most {}", d.routing.n_group, kCudaMaxGroups));
+  }
+
+  Plan p;
+  p.max_tokens = max_tokens;
+  const std::string refusal = token_major_refusal(d);
+  if (forced) {
+    if (*forced == PathKind::kTokenMajor && !refusal.empty()) {
+      return unsupported("path token-major cannot run this layer: " + refusal);
+    }
+    p.path = *forced;
+    p.reasons.push_back(fmt::format("{} forced by the caller", path_name(*forced)));
+    return p;
+  }
+  if (!refusal.empty()) {
+    p.path = PathKind::kPerRow;
+    p.reasons.push_back("token-major refused: " + refusal);
+    p.reasons.push_back("per-row runs any shape");
+    return p;
+  }
+  p.path = PathKind::kTokenMajor;
+  p.reasons.push_back(fmt::format("token-major: {} tokens x top-{} = {} routes, each expert row read by one warp",
+                                  max_tokens, d.top_k, max_tokens * d.top_k));
+  p.reasons.push_back("expert-major (weights read once per distinct expert) is not built yet, so token-major "
+                      "also serves large N");
+  return p;
+}
+
+}  // namespace moeinfer

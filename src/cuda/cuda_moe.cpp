@@ -1,0 +1,286 @@
+// CudaMoe: upload, workspace, and the launch sequence of each path. CudaBackend: the host-memory
+// Backend on top of it.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/moe_kernels.cuh"
+#include "moeinfer/cuda.h"
+
+namespace moeinfer {
+
+namespace {
+
+Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return {};
+  return Status(StatusCode::kInternal, fmt::format("{}: {} ({})", what, cudaGetErrorString(err), cudaGetErrorName(err)));
+}
+
+// Device memory in large chunks, handed out 256-byte aligned (every vector load stays aligned);
+// freed all at once.
+class DeviceArena {
+ public:
+  ~DeviceArena() {
+    for (void* c : chunks_) cudaFree(c);
+  }
+  Result<void*> alloc(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;
+    if (bytes > left_) {
+      const size_t size = std::max(bytes, kChunk);
+      void* p = nullptr;
+      const cudaError_t err = cudaMalloc(&p, size);
+      if (err != cudaSuccess) {
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("cudaMalloc of {} bytes failed after {} bytes: {}", size, total_, cudaGetErrorString(err)));
+      }
+      chunks_.push_back(p);
+      next_ = static_cast<char*>(p);
+      left_ = size;
+    }
+    void* out = next_;
+    next_ += bytes;
+    left_ -= bytes;
+    total_ += bytes;
+    return out;
+  }
+  template <class T>
+  Result<const T*> upload(const std::vector<T>& v) {
+    if (v.empty()) return static_cast<const T*>(nullptr);
+    Result<void*> p = alloc(v.size() * sizeof(T));
+    if (!p.ok()) return p.status();
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(*p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"));
+    return static_cast<const T*>(*p);
+  }
+  int64_t total() const { return static_cast<int64_t>(total_); }
+
+ private:
+  static constexpr size_t kChunk = size_t{256} << 20;
+  std::vector<void*> chunks_;
+  char* next_ = nullptr;
+  size_t left_ = 0;
+  size_t total_ = 0;
+};
+
+Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, const std::vector<float>& bias) {
+  cuda::DevMatrix d;
+  d.rows = static_cast<int32_t>(m.rows);
+  d.cols = static_cast<int32_t>(m.cols);
+  d.format = static_cast<uint8_t>(m.spec.format);
+  d.fp8_scaling = static_cast<uint8_t>(m.spec.fp8_scaling);
+  d.global_scale = m.global_scale;
+  d.scale_cols = m.spec.format == WeightFormat::kFP8 ? static_cast<int32_t>(m.fp8_scale_cols()) : 0;
+  Result<const uint8_t*> data = arena.upload(m.data);
+  if (!data.ok()) return data.status();
+  d.data = *data;
+  Result<const float*> scales = arena.upload(m.scales);
+  if (!scales.ok()) return scales.status();
+  d.scales = *scales;
+  Result<const uint8_t*> block_scales = arena.upload(m.block_scales);
+  if (!block_scales.ok()) return block_scales.status();
+  d.block_scales = *block_scales;
+  Result<const float*> b = arena.upload(bias);
+  if (!b.ok()) return b.status();
+  d.bias = *b;
+  return d;
+}
+
+Result<cuda::DevExpert> upload_expert(DeviceArena& arena, const ExpertWeights& w) {
+  cuda::DevExpert d;
+  Result<cuda::DevMatrix> gate = upload_matrix(arena, w.gate, w.gate_bias);
+  if (!gate.ok()) return gate.status();
+  Result<cuda::DevMatrix> up = upload_matrix(arena, w.up, w.up_bias);
+  if (!up.ok()) return up.status();
+  Result<cuda::DevMatrix> down = upload_matrix(arena, w.down, w.down_bias);
+  if (!down.ok()) return down.status();
+  d.gate = *gate;
+  d.up = *up;
+  d.down = *down;
+  return d;
+}
+
+}  // namespace
+
+struct CudaMoe::Impl {
+  LayerDesc desc;
+  Plan plan;
+  uint64_t layer_id = 0;
+  DeviceArena weights;
+  DeviceArena scratch;
+  cuda::DevLayer dev;
+  cuda::DevWorkspace ws;
+};
+
+CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaMoe::~CudaMoe() = default;
+const Plan& CudaMoe::plan() const { return impl_->plan; }
+const LayerDesc& CudaMoe::desc() const { return impl_->desc; }
+uint64_t CudaMoe::layer_id() const { return impl_->layer_id; }
+int64_t CudaMoe::weight_bytes() const { return impl_->weights.total(); }
+int64_t CudaMoe::workspace_bytes() const { return impl_->scratch.total(); }
+
+Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max_tokens, std::optional<PathKind> path,
+                                                 const ProgressFn& progress) {
+  MOEINFER_RETURN_IF_ERROR(layer.check());
+  const LayerDesc& d = layer.desc;
+  int device = 0;
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  cudaDeviceProp prop{};
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties"));
+  if (!cuda::kernels_runnable()) {
+    return unavailable(fmt::format("this build has no kernels for {} (sm_{}{}); it targets sm_90a", prop.name,
+                                   prop.major, prop.minor));
+  }
+  Result<Plan> plan = plan_cuda(d, layer.expert_spec, max_tokens, DeviceDesc{prop.major, prop.minor}, path);
+  if (!plan.ok()) return plan.status();
+
+  auto impl = std::make_unique<Impl>();
+  impl->desc = d;
+  impl->plan = *plan;
+  impl->layer_id = layer.id();
+
+  // Experts: table index e < E for routed experts, E for the shared expert.
+  std::vector<cuda::DevExpert> table;
+  table.reserve(static_cast<size_t>(d.num_experts) + 1);
+  for (int e = 0; e < d.num_experts; ++e) {
+    Result<const ExpertWeights*> w = layer.expert(e);
+    if (!w.ok()) return w.status();
+    Result<cuda::DevExpert> dev = upload_expert(impl->weights, **w);
+    if (!dev.ok()) return dev.status();
+    table.push_back(*dev);
+    if (progress) progress(e + 1, d.num_experts);
+  }
+  if (layer.shared) {
+    Result<cuda::DevExpert> dev = upload_expert(impl->weights, *layer.shared);
+    if (!dev.ok()) return dev.status();
+    table.push_back(*dev);
+  }
+  Result<const cuda::DevExpert*> experts = impl->weights.upload(table);
+  if (!experts.ok()) return experts.status();
+
+  cuda::DevLayer& L = impl->dev;
+  L.hidden = static_cast<int32_t>(d.hidden);
+  L.num_experts = d.num_experts;
+  L.router_outputs = d.router_outputs();
+  L.top_k = d.top_k;
+  L.act_stride = static_cast<int32_t>(std::max(d.intermediate, d.shared_intermediate));
+  L.score = static_cast<uint8_t>(d.routing.score);
+  L.weight = static_cast<uint8_t>(d.routing.weight);
+  L.activation = static_cast<uint8_t>(d.activation);
+  L.correction_bias = d.routing.correction_bias;
+  L.renormalize = d.routing.renormalize;
+  L.weight_on_input = d.routing.weight_on_input;
+  L.has_shared = d.has_shared();
+  L.shared_gate = d.shared_gate;
+  L.n_group = d.routing.n_group;
+  L.topk_group = d.routing.topk_group;
+  L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
+  L.scaling = static_cast<float>(d.routing.scaling);
+  L.swiglu_alpha = d.swiglu_alpha;
+  L.swiglu_limit = d.swiglu_limit;
+  Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
+  if (!router.ok()) return router.status();
+  L.router = *router;
+  Result<const float*> cb = impl->weights.upload(layer.correction_bias);
+  if (!cb.ok()) return cb.status();
+  L.correction_bias_values = *cb;
+  Result<const float*> sg = impl->weights.upload(layer.shared_gate);
+  if (!sg.ok()) return sg.status();
+  L.shared_gate_values = *sg;
+  L.experts = *experts;
+
+  // Scratch for max_tokens, planned once: forward allocates nothing.
+  const int64_t routes = max_tokens * d.top_k + (d.has_shared() ? max_tokens : 0);
+  const auto alloc = [&](int64_t bytes) -> Result<void*> { return impl->scratch.alloc(static_cast<size_t>(bytes)); };
+  Result<void*> ids = alloc(max_tokens * d.top_k * 4);
+  Result<void*> weights = alloc(max_tokens * d.top_k * 4);
+  Result<void*> gate = alloc(max_tokens * 4);
+  Result<void*> act = alloc(routes * L.act_stride * 4);
+  Result<void*> yout = alloc(routes * d.hidden * 4);
+  for (const Result<void*>* r : {&ids, &weights, &gate, &act, &yout}) {
+    if (!r->ok()) return r->status();
+  }
+  impl->ws.ids = static_cast<int32_t*>(*ids);
+  impl->ws.weights = static_cast<float*>(*weights);
+  impl->ws.shared_gate = static_cast<float*>(*gate);
+  impl->ws.act = static_cast<float*>(*act);
+  impl->ws.expert_out = static_cast<float*>(*yout);
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaDeviceSynchronize(), "upload"));
+  return std::unique_ptr<CudaMoe>(new CudaMoe(std::move(impl)));
+}
+
+Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) const {
+  if (n < 1 || n > impl_->plan.max_tokens) {
+    return invalid_argument(fmt::format("{} tokens: this CudaMoe was planned for 1 to {}", n, impl_->plan.max_tokens));
+  }
+  if (x == nullptr || out == nullptr) return invalid_argument("forward: null input or output pointer");
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int tokens = static_cast<int>(n);
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, s), "moe_route"));
+  switch (impl_->plan.path) {
+    case PathKind::kTokenMajor:
+      return cuda_status(cuda::launch_moe_token_major(impl_->dev, x, tokens, impl_->ws, out, s), "token-major");
+    case PathKind::kPerRow:
+      return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
+  }
+  return internal_error("unknown path");
+}
+
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(std::optional<PathKind> path) : path_(path) {}
+  ~CudaBackend() override {
+    cudaFree(x_);
+    cudaFree(out_);
+  }
+  BackendKind kind() const override { return BackendKind::kCuda; }
+
+  Status forward(const Layer& layer, std::span<const float> x, int64_t n, std::span<float> out,
+                 ForwardInfo* info) override {
+    const int64_t h = layer.desc.hidden;
+    if (n < 1) return invalid_argument(fmt::format("token count must be positive (got {})", n));
+    if (static_cast<int64_t>(x.size()) != n * h || static_cast<int64_t>(out.size()) != n * h) {
+      return invalid_argument(fmt::format("input/output hold {}/{} values, {} tokens of hidden size {} need {}",
+                                          x.size(), out.size(), n, h, n * h));
+    }
+    if (!moe_ || moe_->layer_id() != layer.id() || n > moe_->plan().max_tokens) {
+      moe_.reset();
+      Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, std::max<int64_t>(n, 64), path_);
+      if (!made.ok()) return made.status();
+      moe_ = std::move(made).value();
+      cudaFree(x_);
+      cudaFree(out_);
+      x_ = out_ = nullptr;
+      const size_t bytes = static_cast<size_t>(moe_->plan().max_tokens * h) * sizeof(float);
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&x_, bytes), "cudaMalloc input"));
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&out_, bytes), "cudaMalloc output"));
+    }
+    const size_t bytes = x.size() * sizeof(float);
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(x_, x.data(), bytes, cudaMemcpyHostToDevice), "copy input"));
+    MOEINFER_RETURN_IF_ERROR(moe_->forward(x_, n, out_, nullptr));
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(out.data(), out_, bytes, cudaMemcpyDeviceToHost), "copy output"));
+    if (info != nullptr) {
+      info->path = path_name(moe_->plan().path);
+      info->detail = fmt::format("{:.1f} MiB of weights on the device", static_cast<double>(moe_->weight_bytes()) / (1 << 20));
+      info->plan = moe_->plan().explain();
+    }
+    return {};
+  }
+
+ private:
+  std::optional<PathKind> path_;
+  std::unique_ptr<CudaMoe> moe_;
+  float* x_ = nullptr;
+  float* out_ = nullptr;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(std::optional<PathKind> path) {
+  return std::unique_ptr<Backend>(new CudaBackend(path));
+}
+
+}  // namespace moeinfer

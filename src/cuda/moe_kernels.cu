@@ -1,0 +1,493 @@
+// Kernels of the CUDA paths: the router + selection kernel both paths share, the three
+// token-major kernels, and the per-row fallback's expert kernels.
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <climits>
+
+#include "cuda/moe_kernels.cuh"
+#include "moeinfer/format.h"
+#include "moeinfer/layer.h"
+#include "moeinfer/plan.h"
+
+namespace moeinfer::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+
+// ---- weight decoding -------------------------------------------------------------------------
+
+__device__ __forceinline__ float e4m3_value(uint8_t code) {
+  __nv_fp8_e4m3 v;
+  v.__x = code;
+  return static_cast<float>(v);
+}
+
+// E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; sign in bit 3.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const float mag = m < 4 ? 0.5f * static_cast<float>(m) : (m < 6 ? static_cast<float>(m - 2) : (m == 6 ? 4.0f : 6.0f));
+  return (code & 8u) ? -mag : mag;
+}
+
+__device__ __forceinline__ float fp8_scale(const DevMatrix& m, int r, int c) {
+  if (m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128)) {
+    return m.scales[(r / 128) * m.scale_cols + c / 128];
+  }
+  return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kPerChannel) ? m.scales[r] : m.scales[0];
+}
+
+// One weight, any position: the per-row path's load.
+__device__ __forceinline__ float load_weight(const DevMatrix& m, int r, int c) {
+  const int64_t i = static_cast<int64_t>(r) * m.cols + c;
+  switch (m.format) {
+    case static_cast<uint8_t>(WeightFormat::kBF16): {
+      const uint16_t bits = reinterpret_cast<const uint16_t*>(m.data)[i];
+      return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+    }
+    case static_cast<uint8_t>(WeightFormat::kFP8):
+      return e4m3_value(m.data[i]) * fp8_scale(m, r, c);
+    default: {  // NVFP4: element 2i in the low nibble of byte i
+      const uint8_t byte = m.data[i / 2];
+      const uint32_t code = (i % 2 == 0) ? (byte & 0xFu) : (byte >> 4);
+      const float block = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]);
+      return e2m1_value(code) * block * m.global_scale;
+    }
+  }
+}
+
+// Eight consecutive weights of row r from column c (c % 8 == 0, cols % 8 == 0): one 16-, 8- or
+// 4-byte load, so a warp reads 512, 256 or 128 contiguous bytes per step.
+__device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, float (&w)[8]) {
+  const int64_t i = static_cast<int64_t>(r) * m.cols + c;
+  switch (m.format) {
+    case static_cast<uint8_t>(WeightFormat::kBF16): {
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + i * 2);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        w[2 * j] = __uint_as_float(words[j] << 16);
+        w[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+      }
+      return;
+    }
+    case static_cast<uint8_t>(WeightFormat::kFP8): {
+      const uint2 v = *reinterpret_cast<const uint2*>(m.data + i);
+      const float s = fp8_scale(m, r, c);  // 8 columns never straddle a 128 block
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t word = j < 4 ? v.x : v.y;
+        w[j] = e4m3_value(static_cast<uint8_t>(word >> (8 * (j % 4)))) * s;
+      }
+      return;
+    }
+    default: {
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(m.data + i / 2);
+      const float s = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]) * m.global_scale;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = e2m1_value(v >> (4 * j)) * s;  // nibble j = element c + j
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// sum_c W[r, c] * x[c] * x_scale over one warp; every lane returns the total.
+__device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_scale) {
+  const int lane = threadIdx.x % kWarp;
+  float acc = 0.0f;
+  if (m.cols % 8 == 0) {
+    for (int c = lane * 8; c < m.cols; c += kWarp * 8) {
+      float w[8];
+      load_weights8(m, r, c, w);
+      const float4 a = *reinterpret_cast<const float4*>(x + c);
+      const float4 b = *reinterpret_cast<const float4*>(x + c + 4);
+      acc += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+    }
+  } else {
+    for (int c = lane; c < m.cols; c += kWarp) acc += load_weight(m, r, c) * x[c];
+  }
+  return warp_sum(acc) * x_scale;
+}
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+__device__ __forceinline__ float activate(const DevLayer& L, float g, float u) {
+  if (L.activation == static_cast<uint8_t>(Activation::kGptOssClamped)) {
+    g = fminf(g, L.swiglu_limit);
+    u = fminf(fmaxf(u, -L.swiglu_limit), L.swiglu_limit);
+    return (u + 1.0f) * g * sigmoidf(L.swiglu_alpha * g);
+  }
+  return g * sigmoidf(g) * u;
+}
+
+// Route -> (token, expert, input scale); false for zero-computation experts, which have no
+// expert work (the blend adds w * x for them).
+__device__ __forceinline__ bool route_expert(const DevLayer& L, const DevWorkspace& ws, int n, int route, int* token,
+                                             int* expert, float* in_scale) {
+  const int routed = n * L.top_k;
+  *in_scale = 1.0f;
+  if (route < routed) {
+    *token = route / L.top_k;
+    *expert = ws.ids[route];
+    if (*expert >= L.num_experts) return false;
+    if (L.weight_on_input) *in_scale = ws.weights[route];
+    return true;
+  }
+  *token = route - routed;
+  *expert = L.num_experts;  // the shared expert's slot
+  return true;
+}
+
+// ---- block reductions (blockDim.x a multiple of 32, at most 1024) ------------------------------
+
+struct ArgMax {
+  float value;
+  int index;
+};
+
+// Larger value wins; equal values go to the lower index (the tie rule of every backend).
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
+}
+
+__device__ ArgMax warp_argmax(ArgMax a) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    ArgMax other{__shfl_xor_sync(0xFFFFFFFFu, a.value, o), __shfl_xor_sync(0xFFFFFFFFu, a.index, o)};
+    a = better(a, other);
+  }
+  return a;
+}
+
+__device__ ArgMax block_argmax(ArgMax a) {
+  __shared__ float values[kWarp];
+  __shared__ int indices[kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  a = warp_argmax(a);
+  if (lane == 0) {
+    values[warp] = a.value;
+    indices[warp] = a.index;
+  }
+  __syncthreads();
+  ArgMax r{-INFINITY, INT_MAX};
+  if (lane < warps) r = {values[lane], indices[lane]};
+  r = warp_argmax(r);
+  __syncthreads();  // the arrays are reused by the next call
+  return r;
+}
+
+__device__ float block_sum(float v) {
+  __shared__ float partial[kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float r = lane < warps ? partial[lane] : 0.0f;
+  r = warp_sum(r);
+  __syncthreads();
+  return r;
+}
+
+// ---- router + selection ------------------------------------------------------------------------
+
+constexpr int kRouteThreads = 256;
+
+// Grid: one block per token. Block: 256 threads; warps share the router rows (one row per warp
+// at a time), then the whole block runs the selection of DESIGN.md section 2 on the token's
+// logits in shared memory: scores, keys, group masking, k rounds of argmax, weights.
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, const float* x, DevWorkspace ws) {
+  extern __shared__ float smem[];
+  const int outputs = L.router_outputs;
+  float* logits = smem;               // [E + Z]
+  float* scores = smem + outputs;     // [E + Z]
+  float* keys = smem + 2 * outputs;   // [E + Z]
+  __shared__ float group_score[kCudaMaxGroups];
+  __shared__ int group_kept[kCudaMaxGroups];
+  __shared__ int chosen[kCudaMaxTopK];
+
+  const int t = blockIdx.x;
+  const float* xt = x + static_cast<int64_t>(t) * L.hidden;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+
+  for (int e = warp; e < outputs; e += warps) {
+    const float dot = warp_dot(L.router, e, xt, 1.0f);
+    if (lane == 0) logits[e] = dot + (L.router.bias != nullptr ? L.router.bias[e] : 0.0f);
+  }
+  __syncthreads();
+
+  // Scores, in fp32 as the reference blocks compute them.
+  float max_logit = -INFINITY;
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
+    ArgMax m{-INFINITY, INT_MAX};
+    for (int e = threadIdx.x; e < outputs; e += blockDim.x) m = better(m, ArgMax{logits[e], e});
+    max_logit = block_argmax(m).value;
+  }
+  float local_sum = 0.0f;
+  for (int e = threadIdx.x; e < outputs; e += blockDim.x) {
+    float s = logits[e];
+    if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) s = expf(s - max_logit);
+    if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) s = 1.0f / (1.0f + expf(-s));
+    scores[e] = s;
+    local_sum += s;
+  }
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
+    const float sum = block_sum(local_sum);
+    for (int e = threadIdx.x; e < outputs; e += blockDim.x) scores[e] /= sum;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < outputs; e += blockDim.x) {
+    keys[e] = scores[e] + (L.correction_bias ? L.correction_bias_values[e] : 0.0f);
+  }
+  __syncthreads();
+
+  // Group-limited selection: a group scores the sum of its two best keys; experts outside the
+  // topk_group best groups get key -inf.
+  if (L.n_group > 1) {
+    const int group_size = L.num_experts / L.n_group;
+    for (int g = warp; g < L.n_group; g += warps) {
+      ArgMax first{-INFINITY, INT_MAX};
+      for (int i = lane; i < group_size; i += kWarp) first = better(first, ArgMax{keys[g * group_size + i], i});
+      first = warp_argmax(first);
+      ArgMax second{-INFINITY, INT_MAX};
+      for (int i = lane; i < group_size; i += kWarp) {
+        if (i != first.index) second = better(second, ArgMax{keys[g * group_size + i], i});
+      }
+      second = warp_argmax(second);
+      if (lane == 0) {
+        group_score[g] = first.value + second.value;
+        group_kept[g] = 0;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int j = 0; j < L.topk_group; ++j) {
+        int best = -1;
+        for (int g = 0; g < L.n_group; ++g) {
+          if (!group_kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+        }
+        group_kept[best] = 1;
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < L.num_experts; e += blockDim.x) {
+      if (!group_kept[e / group_size]) keys[e] = -INFINITY;
+    }
+    __syncthreads();
+  }
+
+  // Top-k: k rounds of a block argmax; a chosen key becomes -inf.
+  for (int j = 0; j < L.top_k; ++j) {
+    ArgMax best{-INFINITY, INT_MAX};
+    for (int e = threadIdx.x; e < outputs; e += blockDim.x) best = better(best, ArgMax{keys[e], e});
+    best = block_argmax(best);
+    if (threadIdx.x == 0) {
+      // Only NaN keys (from a NaN input) leave no candidate; stay in range regardless.
+      const int id = (best.index >= 0 && best.index < outputs) ? best.index : 0;
+      chosen[j] = id;
+      keys[id] = -INFINITY;
+    }
+    __syncthreads();
+  }
+
+  if (threadIdx.x == 0) {
+    float w[kCudaMaxTopK];
+    for (int j = 0; j < L.top_k; ++j) w[j] = scores[chosen[j]];  // unbiased
+    if (L.weight == static_cast<uint8_t>(WeightFunc::kSoftmaxOfSelected)) {
+      float m = -INFINITY, sum = 0.0f;
+      for (int j = 0; j < L.top_k; ++j) m = fmaxf(m, w[j]);
+      for (int j = 0; j < L.top_k; ++j) sum += (w[j] = expf(w[j] - m));
+      for (int j = 0; j < L.top_k; ++j) w[j] /= sum;
+    } else if (L.weight == static_cast<uint8_t>(WeightFunc::kSigmoidOfSelected)) {
+      for (int j = 0; j < L.top_k; ++j) w[j] = 1.0f / (1.0f + expf(-w[j]));
+    }
+    if (L.renormalize) {
+      float sum = 0.0f;
+      for (int j = 0; j < L.top_k; ++j) sum += w[j];
+      for (int j = 0; j < L.top_k; ++j) w[j] /= sum + L.renorm_epsilon;
+    }
+    for (int j = 0; j < L.top_k; ++j) {
+      ws.ids[t * L.top_k + j] = chosen[j];
+      ws.weights[t * L.top_k + j] = w[j] * L.scaling;
+    }
+  }
+  if (L.shared_gate && warp == 0) {
+    float acc = 0.0f;
+    for (int c = lane; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];
+    acc = warp_sum(acc);
+    if (lane == 0) ws.shared_gate[t] = sigmoidf(acc);
+  }
+}
+
+// ---- token-major -------------------------------------------------------------------------------
+
+constexpr int kTmWarps = 4;         // warps per block
+constexpr int kTmRowsPerWarp = 4;   // output rows each warp owns
+constexpr int kTmRowsPerBlock = kTmWarps * kTmRowsPerWarp;
+
+// Grid: (ceil(max I / 16), routes). Block: 4 warps; warp w owns rows [16 bx + 4 w, +4) of the
+// route's expert and computes both gate and up for each (the token's x stays in L1 across rows).
+__global__ void __launch_bounds__(kTmWarps * kWarp) moe_gate_up_token_major(DevLayer L, const float* x, int n,
+                                                                            DevWorkspace ws) {
+  int t, e;
+  float in_scale;
+  const int route = blockIdx.y;
+  if (!route_expert(L, ws, n, route, &t, &e, &in_scale)) return;
+  const DevExpert& ex = L.experts[e];
+  const float* xt = x + static_cast<int64_t>(t) * L.hidden;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int first = blockIdx.x * kTmRowsPerBlock + warp * kTmRowsPerWarp;
+  for (int i = first; i < first + kTmRowsPerWarp && i < ex.gate.rows; ++i) {
+    float g = warp_dot(ex.gate, i, xt, in_scale);
+    float u = warp_dot(ex.up, i, xt, in_scale);
+    if (lane == 0) {
+      if (ex.gate.bias != nullptr) g += ex.gate.bias[i];
+      if (ex.up.bias != nullptr) u += ex.up.bias[i];
+      ws.act[static_cast<int64_t>(route) * L.act_stride + i] = activate(L, g, u);
+    }
+  }
+}
+
+// Grid: (ceil(H / 16), routes). Block: 4 warps, 4 output rows of down each.
+__global__ void __launch_bounds__(kTmWarps * kWarp) moe_down_token_major(DevLayer L, int n, DevWorkspace ws) {
+  int t, e;
+  float in_scale;
+  const int route = blockIdx.y;
+  if (!route_expert(L, ws, n, route, &t, &e, &in_scale)) return;
+  const DevExpert& ex = L.experts[e];
+  const float* a = ws.act + static_cast<int64_t>(route) * L.act_stride;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int first = blockIdx.x * kTmRowsPerBlock + warp * kTmRowsPerWarp;
+  for (int h = first; h < first + kTmRowsPerWarp && h < L.hidden; ++h) {
+    const float y = warp_dot(ex.down, h, a, 1.0f);
+    if (lane == 0) {
+      ws.expert_out[static_cast<int64_t>(route) * L.hidden + h] = y + (ex.down.bias != nullptr ? ex.down.bias[h] : 0.0f);
+    }
+  }
+}
+
+// Grid: (ceil(H / 256), n). Block: 256 threads, one output element each:
+// out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared.
+__global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
+  const int t = blockIdx.y;
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
+  if (h >= L.hidden) return;
+  const int64_t H = L.hidden;
+  float acc = 0.0f;
+  for (int j = 0; j < L.top_k; ++j) {
+    const int route = t * L.top_k + j;
+    const int id = ws.ids[route];
+    const float w = ws.weights[route];
+    if (id >= L.num_experts) {
+      acc += w * x[t * H + h];
+    } else {
+      acc += (L.weight_on_input ? 1.0f : w) * ws.expert_out[route * H + h];
+    }
+  }
+  if (L.has_shared) {
+    const float gate = L.shared_gate ? ws.shared_gate[t] : 1.0f;
+    acc += gate * ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
+  }
+  out[t * H + h] = acc;
+}
+
+// ---- per-row fallback --------------------------------------------------------------------------
+
+constexpr int kPerRowThreads = 128;
+
+// Grid: one block per route. Block: 128 threads, one intermediate row at a time each, scalar
+// loads: no alignment or shape assumption at all.
+__global__ void moe_gate_up_per_row(DevLayer L, const float* x, int n, DevWorkspace ws) {
+  int t, e;
+  float in_scale;
+  const int route = blockIdx.x;
+  if (!route_expert(L, ws, n, route, &t, &e, &in_scale)) return;
+  const DevExpert& ex = L.experts[e];
+  const float* xt = x + static_cast<int64_t>(t) * L.hidden;
+  for (int i = threadIdx.x; i < ex.gate.rows; i += blockDim.x) {
+    float g = 0.0f, u = 0.0f;
+    for (int c = 0; c < L.hidden; ++c) {
+      g += load_weight(ex.gate, i, c) * xt[c];
+      u += load_weight(ex.up, i, c) * xt[c];
+    }
+    g = g * in_scale + (ex.gate.bias != nullptr ? ex.gate.bias[i] : 0.0f);
+    u = u * in_scale + (ex.up.bias != nullptr ? ex.up.bias[i] : 0.0f);
+    ws.act[static_cast<int64_t>(route) * L.act_stride + i] = activate(L, g, u);
+  }
+}
+
+// Grid: one block per route. Block: 128 threads, one hidden row of down at a time each.
+__global__ void moe_down_per_row(DevLayer L, int n, DevWorkspace ws) {
+  int t, e;
+  float in_scale;
+  const int route = blockIdx.x;
+  if (!route_expert(L, ws, n, route, &t, &e, &in_scale)) return;
+  const DevExpert& ex = L.experts[e];
+  const float* a = ws.act + static_cast<int64_t>(route) * L.act_stride;
+  for (int h = threadIdx.x; h < L.hidden; h += blockDim.x) {
+    float y = 0.0f;
+    for (int i = 0; i < ex.down.cols; ++i) y += load_weight(ex.down, h, i) * a[i];
+    ws.expert_out[static_cast<int64_t>(route) * L.hidden + h] = y + (ex.down.bias != nullptr ? ex.down.bias[h] : 0.0f);
+  }
+}
+
+int route_count(const DevLayer& L, int n) { return n * L.top_k + (L.has_shared ? n : 0); }
+
+cudaError_t launch_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
+                         cudaStream_t stream) {
+  const dim3 grid((L.hidden + 255) / 256, n);
+  moe_blend<<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, cudaStream_t stream) {
+  const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, x, ws);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_moe_token_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
+                                   cudaStream_t stream) {
+  const int routes = route_count(L, n);
+  const dim3 gate_up_grid((L.act_stride + kTmRowsPerBlock - 1) / kTmRowsPerBlock, routes);
+  moe_gate_up_token_major<<<gate_up_grid, kTmWarps * kWarp, 0, stream>>>(L, x, n, ws);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 down_grid((L.hidden + kTmRowsPerBlock - 1) / kTmRowsPerBlock, routes);
+  moe_down_token_major<<<down_grid, kTmWarps * kWarp, 0, stream>>>(L, n, ws);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_blend(L, x, n, ws, out, stream);
+}
+
+cudaError_t launch_moe_per_row(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
+                               cudaStream_t stream) {
+  const int routes = route_count(L, n);
+  moe_gate_up_per_row<<<routes, kPerRowThreads, 0, stream>>>(L, x, n, ws);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  moe_down_per_row<<<routes, kPerRowThreads, 0, stream>>>(L, n, ws);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_blend(L, x, n, ws, out, stream);
+}
+
+bool kernels_runnable() {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, moe_route_kernel) == cudaSuccess;
+}
+
+}  // namespace moeinfer::cuda

@@ -1,0 +1,77 @@
+// Device-side view of a layer and the launchers of the CUDA paths' kernels. Internal. Plain
+// C++ apart from cudaStream_t/cudaError_t, so host code compiled by g++ includes it too.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moeinfer::cuda {
+
+// One quantized matrix [rows, cols], K-major, as uploaded (same byte layout as QuantMatrix).
+struct DevMatrix {
+  const uint8_t* data = nullptr;
+  const float* scales = nullptr;          // FP8 dequant scales
+  const uint8_t* block_scales = nullptr;  // NVFP4 E4M3 scales, one per 16 inputs
+  const float* bias = nullptr;            // [rows] or null
+  float global_scale = 1.0f;              // NVFP4
+  int32_t rows = 0;
+  int32_t cols = 0;
+  int32_t scale_cols = 0;                 // FP8 block-128: columns of the scale grid
+  uint8_t format = 0;                     // WeightFormat
+  uint8_t fp8_scaling = 0;                // Fp8Scaling
+};
+
+struct DevExpert {
+  DevMatrix gate;  // [I, H]
+  DevMatrix up;    // [I, H]
+  DevMatrix down;  // [H, I]
+};
+
+// Everything a kernel needs to know about the layer, passed by value (kernel parameter space).
+struct DevLayer {
+  int32_t hidden = 0;
+  int32_t num_experts = 0;     // E; experts[E] is the shared expert when has_shared
+  int32_t router_outputs = 0;  // E + Z
+  int32_t top_k = 0;
+  int32_t act_stride = 0;      // max(I, shared I): row stride of the activation scratch
+  uint8_t score = 0;           // ScoreFunc
+  uint8_t weight = 0;          // WeightFunc
+  uint8_t activation = 0;      // Activation
+  bool correction_bias = false;
+  bool renormalize = false;
+  bool weight_on_input = false;
+  bool has_shared = false;
+  bool shared_gate = false;
+  int32_t n_group = 1;
+  int32_t topk_group = 1;
+  float renorm_epsilon = 0.0f;
+  float scaling = 1.0f;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  DevMatrix router;                          // [E + Z, H], bias = router bias
+  const float* correction_bias_values = nullptr;  // [E + Z]
+  const float* shared_gate_values = nullptr;      // [H]
+  const DevExpert* experts = nullptr;             // [E + has_shared], device memory
+};
+
+// Scratch for one call of up to max_tokens tokens. Routes are numbered token-major:
+// route t * k + j is slot j of token t; route n * k + t is token t's shared expert.
+struct DevWorkspace {
+  int32_t* ids = nullptr;        // [max_tokens * k]
+  float* weights = nullptr;      // [max_tokens * k]
+  float* shared_gate = nullptr;  // [max_tokens]
+  float* act = nullptr;          // [routes, act_stride]
+  float* expert_out = nullptr;   // [routes, H]
+};
+
+cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
+                             cudaStream_t stream);
+cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
+                                   float* out, cudaStream_t stream);
+cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
+                               float* out, cudaStream_t stream);
+// A kernel image exists for the current device (false when the build targets another arch).
+bool kernels_runnable();
+
+}  // namespace moeinfer::cuda

@@ -1,0 +1,62 @@
+// plan(): which CUDA path runs a layer, why, and the named refusals.
+#include <gtest/gtest.h>
+
+#include "moeinfer/plan.h"
+#include "test_util.h"
+
+namespace moeinfer {
+namespace {
+
+using testing::take;
+
+LayerDesc qwen3next(int64_t hidden = 2048, int64_t inter = 512) {
+  return family_layer(Family::kQwen3Next, {.hidden = hidden, .intermediate = inter, .num_experts = 512, .top_k = 10,
+                                           .shared_intermediate = 512});
+}
+
+TEST(Plan, TokenMajorForAlignedDecodeShapes) {
+  const Plan p = take(plan_cuda(qwen3next(), {WeightFormat::kNVFP4}, 8, DeviceDesc{9, 0}));
+  EXPECT_EQ(p.path, PathKind::kTokenMajor);
+  EXPECT_EQ(p.max_tokens, 8);
+  EXPECT_NE(p.explain().find("path token-major for up to 8 tokens"), std::string::npos) << p.explain();
+  EXPECT_NE(p.explain().find("80 routes"), std::string::npos) << p.explain();
+}
+
+TEST(Plan, PerRowWhenTokenMajorCannot) {
+  const Plan p = take(plan_cuda(qwen3next(100, 36), {WeightFormat::kBF16}, 4, DeviceDesc{}));
+  EXPECT_EQ(p.path, PathKind::kPerRow);
+  EXPECT_NE(p.explain().find("hidden_size 100 is not a multiple of 8"), std::string::npos) << p.explain();
+}
+
+TEST(Plan, ForcedPathsAndNamedRefusals) {
+  const Plan forced = take(plan_cuda(qwen3next(), {WeightFormat::kFP8}, 4, DeviceDesc{}, PathKind::kPerRow));
+  EXPECT_EQ(forced.path, PathKind::kPerRow);
+  EXPECT_NE(forced.explain().find("forced"), std::string::npos);
+
+  const Result<Plan> refused = plan_cuda(qwen3next(100, 36), {WeightFormat::kBF16}, 4, DeviceDesc{}, PathKind::kTokenMajor);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(refused.status().message(),
+            "path token-major cannot run this layer: hidden_size 100 is not a multiple of 8 (token-major loads 8 "
+            "weights at a time)");
+
+  EXPECT_EQ(plan_cuda(qwen3next(), {WeightFormat::kNVFP4}, 4, DeviceDesc{8, 0}).status().message(),
+            "the CUDA paths are built for sm_90a (Hopper); this device is sm_80");
+  EXPECT_EQ(plan_cuda(qwen3next(), {WeightFormat::kNVFP4}, 0, DeviceDesc{}).status().message(),
+            "max_tokens must be positive (got 0)");
+  LayerDesc wide = qwen3next();
+  wide.num_experts = 5000;
+  EXPECT_EQ(plan_cuda(wide, {WeightFormat::kNVFP4}, 1, DeviceDesc{}).status().message(),
+            "router of 5000 outputs: the CUDA router holds at most 4096");
+  EXPECT_EQ(plan_cuda(qwen3next(100), {WeightFormat::kNVFP4}, 1, DeviceDesc{}).status().message(),
+            "hidden_size 100 is not a multiple of the NVFP4 group 16");
+}
+
+TEST(Plan, ParsesPathNames) {
+  EXPECT_EQ(take(parse_path("per-row")), PathKind::kPerRow);
+  EXPECT_EQ(take(parse_path("token-major")), PathKind::kTokenMajor);
+  EXPECT_EQ(parse_path("expert-major").status().message(), "unknown path 'expert-major' (expected token-major or per-row)");
+}
+
+}  // namespace
+}  // namespace moeinfer
