@@ -41,6 +41,12 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual BackendKind kind() const = 0;
+  // Readies the layer for calls of up to max_tokens tokens (a GPU backend uploads it here),
+  // reporting progress. forward() does this itself when it was not done.
+  virtual Status prepare(const Layer& layer, int64_t max_tokens, const ProgressFn& progress) {
+    (void)layer, (void)max_tokens, (void)progress;
+    return {};
+  }
   // x: [n, H] floats, out: [n, H]; both in host memory.
   virtual Status forward(const Layer& layer, std::span<const float> x, int64_t n,
                          std::span<float> out, ForwardInfo* info) = 0;

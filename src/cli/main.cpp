@@ -66,7 +66,10 @@ struct RunOptions {
   int64_t tokens = 4;
   uint64_t seed = 0;
   std::string backend = "auto";
+  std::string path;
   int iters = 1;
+  bool explain = false;
+  bool check = false;
 };
 
 int run_command(const RunOptions& opt) {
@@ -78,7 +81,13 @@ int run_command(const RunOptions& opt) {
   if (!kind.ok()) return fail(kind.status());
   Result<const Preset*> preset = find_preset(opt.preset);
   if (!preset.ok()) return fail(preset.status());
-  Result<std::unique_ptr<Backend>> backend = make_backend(*kind);
+  BackendOptions options;
+  if (!opt.path.empty()) {
+    Result<PathKind> path = parse_path(opt.path);
+    if (!path.ok()) return fail(path.status());
+    options.path = *path;
+  }
+  Result<std::unique_ptr<Backend>> backend = make_backend(*kind, options);
   if (!backend.ok()) return fail(backend.status());
 
   const auto build_start = Clock::now();
@@ -88,29 +97,38 @@ int run_command(const RunOptions& opt) {
   const std::vector<float> x = make_tokens(opt.tokens, d.hidden, opt.seed + 1);
 
   // Generate (or later: load) the experts this batch routes to before timing, so the time
-  // below is the layer's alone.
+  // below is the layer's alone; a GPU backend uploads every expert.
   Result<Routes> routes = moe_route_reference(*layer, x, opt.tokens);
   if (!routes.ok()) return fail(routes.status());
   std::vector<int> touched;
   for (int id : routes->ids) {
     if (id < d.num_experts) touched.push_back(id);
   }
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
   {
     ProgressBar bar("building experts");
     Status loaded = layer->load_experts(touched, [&](int64_t done, int64_t total) { bar.update(done, total); });
     if (!loaded.ok()) return fail(loaded);
+  }
+  {
+    ProgressBar bar("preparing backend");
+    Status prepared = (*backend)->prepare(*layer, opt.tokens, [&](int64_t done, int64_t total) { bar.update(done, total); });
+    if (!prepared.ok()) return fail(prepared);
   }
   const double build_seconds = seconds_since(build_start);
 
   std::vector<float> out(x.size());
   ForwardInfo info;
   std::vector<double> times;
-  for (int i = 0; i < opt.iters; ++i) {
+  // One untimed call first, except on the reference, whose every call is the same slow loop.
+  const int warmup = (*backend)->kind() == BackendKind::kReference ? 0 : 1;
+  for (int i = 0; i < warmup + opt.iters; ++i) {
     std::fill(out.begin(), out.end(), std::nanf(""));  // poison: every element must be written
     const auto start = Clock::now();
     Status st = (*backend)->forward(*layer, x, opt.tokens, out, &info);
     if (!st.ok()) return fail(st);
-    times.push_back(seconds_since(start));
+    if (i >= warmup) times.push_back(seconds_since(start));
   }
   std::sort(times.begin(), times.end());
   const double median_ms = times[times.size() / 2] * 1e3;
@@ -130,11 +148,31 @@ int run_command(const RunOptions& opt) {
              human_bytes(layer->routed_expert_bytes()));
   fmt::print("  tokens    {} (seed {})\n", opt.tokens, opt.seed);
   fmt::print("  backend   {} (path: {}; {})\n", backend_name((*backend)->kind()), info.path, info.detail);
-  fmt::print("  experts   {} of {} touched, built in {:.2f} s\n", layer->loaded_experts(), d.num_experts,
+  fmt::print("  experts   {} of {} touched, built and prepared in {:.2f} s\n", touched.size(), d.num_experts,
              build_seconds);
-  fmt::print("  time      {:.3f} ms per call (median of {})\n", median_ms, opt.iters);
+  fmt::print("  time      {:.3f} ms per call (median of {}, host to host)\n", median_ms, opt.iters);
   fmt::print("  output    [{}, {}] checksum sum={:.6e} l2={:.6e} out[0][0..3]=[{:.5f}, {:.5f}, {:.5f}, {:.5f}]\n",
              opt.tokens, d.hidden, sum, std::sqrt(sum_sq), out[0], out[1], out[2], out[3]);
+  if (opt.explain) {
+    fmt::print("  plan      {}\n", info.plan.empty() ? "(this backend does not plan)" : info.plan);
+  }
+  if (opt.check) {
+    // The CUDA paths keep fp32 activations; 1e-2 relative L2 is the bound the GPU tests use for
+    // bf16 activations, far below what one wrong route costs.
+    constexpr double kTolerance = 1e-2;
+    std::vector<float> expected(x.size());
+    Status st = moe_forward_reference(*layer, x, opt.tokens, expected);
+    if (!st.ok()) return fail(st);
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      num += (static_cast<double>(out[i]) - expected[i]) * (static_cast<double>(out[i]) - expected[i]);
+      den += static_cast<double>(expected[i]) * expected[i];
+    }
+    const double err = std::sqrt(num / std::max(den, 1e-300));
+    fmt::print("  check     relative L2 error vs reference {:.3e} (tolerance {:.0e}): {}\n", err, kTolerance,
+               err <= kTolerance ? "ok" : "FAILED");
+    if (err > kTolerance) return 1;
+  }
   return 0;
 }
 
@@ -172,6 +210,9 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--backend", run.backend, "reference, cpu, cuda or auto (the best available)")
       ->capture_default_str();
   run_cmd->add_option("--iters", run.iters, "Timed calls; the median is reported")->capture_default_str();
+  run_cmd->add_option("--path", run.path, "Force a CUDA path: token-major or per-row (default: plan() chooses)");
+  run_cmd->add_flag("--explain", run.explain, "Print the plan: the path chosen and why");
+  run_cmd->add_flag("--check", run.check, "Also run the CPU reference and report the relative L2 error");
 
   app.add_subcommand("presets", "List the presets and their shapes");
 

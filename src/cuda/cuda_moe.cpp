@@ -238,6 +238,20 @@ class CudaBackend final : public Backend {
   }
   BackendKind kind() const override { return BackendKind::kCuda; }
 
+  Status prepare(const Layer& layer, int64_t max_tokens, const ProgressFn& progress) override {
+    if (moe_ && moe_->layer_id() == layer.id() && max_tokens <= moe_->plan().max_tokens) return {};
+    moe_.reset();
+    cudaFree(x_);
+    cudaFree(out_);
+    x_ = out_ = nullptr;
+    Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, max_tokens, path_, progress);
+    if (!made.ok()) return made.status();
+    moe_ = std::move(made).value();
+    const size_t bytes = static_cast<size_t>(max_tokens * layer.desc.hidden) * sizeof(float);
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&x_, bytes), "cudaMalloc input"));
+    return cuda_status(cudaMalloc(&out_, bytes), "cudaMalloc output");
+  }
+
   Status forward(const Layer& layer, std::span<const float> x, int64_t n, std::span<float> out,
                  ForwardInfo* info) override {
     const int64_t h = layer.desc.hidden;
@@ -247,16 +261,7 @@ class CudaBackend final : public Backend {
                                           x.size(), out.size(), n, h, n * h));
     }
     if (!moe_ || moe_->layer_id() != layer.id() || n > moe_->plan().max_tokens) {
-      moe_.reset();
-      Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, std::max<int64_t>(n, 64), path_);
-      if (!made.ok()) return made.status();
-      moe_ = std::move(made).value();
-      cudaFree(x_);
-      cudaFree(out_);
-      x_ = out_ = nullptr;
-      const size_t bytes = static_cast<size_t>(moe_->plan().max_tokens * h) * sizeof(float);
-      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&x_, bytes), "cudaMalloc input"));
-      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&out_, bytes), "cudaMalloc output"));
+      MOEINFER_RETURN_IF_ERROR(prepare(layer, std::max<int64_t>(n, 64), {}));
     }
     const size_t bytes = x.size() * sizeof(float);
     MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(x_, x.data(), bytes, cudaMemcpyHostToDevice), "copy input"));

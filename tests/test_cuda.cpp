@@ -1,0 +1,118 @@
+// CUDA-only tests: graph capture and replay, and the device-level API's refusals. Built when
+// the CUDA backend is; skipped, with the reason, on a machine without a usable GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+
+#include "moeinfer/backend.h"
+#include "moeinfer/cuda.h"
+#include "moeinfer/presets.h"
+#include "moeinfer/reference.h"
+#include "test_util.h"
+
+namespace moeinfer {
+namespace {
+
+using testing::take;
+
+template <class T>
+struct DeviceArray {
+  explicit DeviceArray(size_t n) : size(n) { EXPECT_EQ(cudaMalloc(&ptr, n * sizeof(T)), cudaSuccess); }
+  ~DeviceArray() { cudaFree(ptr); }
+  void put(const std::vector<T>& v) { ASSERT_EQ(cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  std::vector<T> get() const {
+    std::vector<T> v(size);
+    EXPECT_EQ(cudaMemcpy(v.data(), ptr, size * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+  void poison() { ASSERT_EQ(cudaMemset(ptr, 0xFF, size * sizeof(T)), cudaSuccess); }  // 0xFFFFFFFF is a NaN
+  T* ptr = nullptr;
+  size_t size;
+};
+
+class Cuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const BackendAvailability& b : backend_availability()) {
+      if (b.kind == BackendKind::kCuda && !b.available) GTEST_SKIP() << "no usable GPU: " << b.reason;
+    }
+  }
+};
+
+TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 64, .num_experts = 32, .top_k = 4,
+                                                        .shared_intermediate = 64});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 3));
+  const int64_t n = 8, h = d.hidden;
+  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
+  DeviceArray<float> x(n * h), out(n * h);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+
+  // Capture once, for the padded N.
+  x.put(make_tokens(n, h, 100));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  std::set<std::vector<int>> routings;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    // New tokens, and so new routing; batch 1 is 5 real tokens padded with zeros to 8.
+    std::vector<float> tokens = make_tokens(n, h, seed);
+    const int64_t real = seed == 1 ? 5 : n;
+    std::fill(tokens.begin() + real * h, tokens.end(), 0.0f);
+    x.put(tokens);
+
+    out.poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> replayed = out.get();
+
+    out.poison();
+    ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> eager = out.get();
+    EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float)), 0) << "seed " << seed;
+
+    const std::vector<float> real_tokens(tokens.begin(), tokens.begin() + real * h);
+    std::vector<float> expected(real_tokens.size());
+    ASSERT_OK(moe_forward_reference(layer, real_tokens, real, expected));
+    const std::vector<float> got(replayed.begin(), replayed.begin() + real * h);
+    EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << "seed " << seed;
+    routings.insert(take(moe_route_reference(layer, real_tokens, real)).ids);
+  }
+  EXPECT_EQ(routings.size(), 4u) << "the replays should have routed differently";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
+  const LayerDesc d = family_layer(Family::kMixtral, {.hidden = 64, .intermediate = 32, .num_experts = 4, .top_k = 2});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, 4));
+  DeviceArray<float> x(8 * 64), out(8 * 64);
+  EXPECT_EQ(moe->forward(x.ptr, 5, out.ptr, nullptr).message(), "5 tokens: this CudaMoe was planned for 1 to 4");
+  EXPECT_EQ(moe->forward(x.ptr, 0, out.ptr, nullptr).message(), "0 tokens: this CudaMoe was planned for 1 to 4");
+  EXPECT_EQ(moe->forward(nullptr, 1, out.ptr, nullptr).message(), "forward: null input or output pointer");
+}
+
+TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
+  const LayerDesc d = family_layer(Family::kMixtral, {.hidden = 100, .intermediate = 36, .num_experts = 4, .top_k = 2});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  std::unique_ptr<Backend> backend = take(make_backend(BackendKind::kCuda, BackendOptions{PathKind::kTokenMajor}));
+  const std::vector<float> x = make_tokens(1, 100, 1);
+  std::vector<float> out(100);
+  const Status s = backend->forward(layer, x, 1, out, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(s.message(), "path token-major cannot run this layer: hidden_size 100 is not a multiple of 8 (token-major "
+                         "loads 8 weights at a time)");
+}
+
+}  // namespace
+}  // namespace moeinfer
