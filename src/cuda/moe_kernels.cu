@@ -333,7 +333,9 @@ constexpr int kTmRowsPerBlock = kTmWarps * kTmRowsPerWarp;
 
 // Grid: (ceil(max I / 16), routes). Block: 4 warps; warp w owns rows [16 bx + 4 w, +4) of the
 // route's expert and computes both gate and up for each (the token's x stays in L1 across rows).
-__global__ void __launch_bounds__(kTmWarps * kWarp) moe_gate_up_token_major(DevLayer L, const float* x, int n,
+// The occupancy hint (4 blocks per SM) matters: without it ptxas held this kernel to 32
+// registers and spilled.
+__global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_gate_up_token_major(DevLayer L, const float* x, int n,
                                                                             DevWorkspace ws) {
   int t, e;
   float in_scale;
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(kTmWarps * kWarp) moe_gate_up_token_major(DevL
 }
 
 // Grid: (ceil(H / 16), routes). Block: 4 warps, 4 output rows of down each.
-__global__ void __launch_bounds__(kTmWarps * kWarp) moe_down_token_major(DevLayer L, int n, DevWorkspace ws) {
+__global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevLayer L, int n, DevWorkspace ws) {
   int t, e;
   float in_scale;
   const int route = blockIdx.y;
