@@ -6,10 +6,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "moeinfer/backend.h"
+#include "moeinfer/checkpoint.h"
+#include "moeinfer/safetensors.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
 
@@ -60,7 +63,66 @@ int fail(const Status& status) {
   return 1;
 }
 
+// hidden_states [N, H] from a safetensors file, as floats.
+Result<std::vector<float>> read_hidden_states(const std::string& path, int64_t hidden, int64_t* n) {
+  Result<SafetensorsFile> file = SafetensorsFile::open(path);
+  if (!file.ok()) return file.status();
+  Result<TensorView> t = file->get("hidden_states");
+  if (!t.ok()) return t.status();
+  if (t->dtype != Dtype::kF32 && t->dtype != Dtype::kBF16 && t->dtype != Dtype::kF16) {
+    return invalid_argument(fmt::format("{}: hidden_states is {}; expected F32, BF16 or F16", path, dtype_name(t->dtype)));
+  }
+  if (t->shape.size() != 2 || t->shape[1] != hidden || t->shape[0] < 1) {
+    return invalid_argument(fmt::format("{}: hidden_states has shape {}; the layer needs [N, {}] with N >= 1", path,
+                                        t->shape_string(), hidden));
+  }
+  *n = t->shape[0];
+  return t->to_floats();
+}
+
+// "0-47" style ranges of a sorted list.
+std::string ranges(const std::vector<int>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size();) {
+    size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    out += fmt::format("{}{}", out.empty() ? "" : ", ", i == j ? fmt::format("{}", v[i]) : fmt::format("{}-{}", v[i], v[j]));
+    i = j + 1;
+  }
+  return out.empty() ? "none" : out;
+}
+
+int inspect_command(const std::string& dir, int layer) {
+  Result<Checkpoint> ckpt = Checkpoint::open(dir);
+  if (!ckpt.ok()) return fail(ckpt.status());
+  const ModelConfig& c = ckpt->config();
+  const LayerDesc& d = c.desc;
+  fmt::print("checkpoint {}\n", dir);
+  fmt::print("  family        {} (model_type {})\n", family_name(c.family), c.model_type);
+  fmt::print("  layers        {}; MoE layers: {} ({})\n", c.num_layers, ranges(c.moe_layers), c.moe_rule);
+  fmt::print("  shape         {}\n", describe_shape(d));
+  fmt::print("  routing       {}\n", describe_routing(d));
+  fmt::print("  fields        hidden_size {}, moe intermediate {}, experts {}, zero experts {}, top_k {}, shared {}, "
+             "norm_topk_prob {}, routed_scaling_factor {:g}, n_group {}, topk_group {}\n",
+             d.hidden, d.intermediate, d.num_experts, d.num_zero_experts, d.top_k, d.shared_intermediate,
+             d.routing.renormalize, d.routing.scaling, d.routing.n_group, d.routing.topk_group);
+  fmt::print("  quantization  {}{}\n", quant_method_name(c.quant),
+             c.quant_excluded.empty() ? "" : fmt::format(", excluded: {}", fmt::join(c.quant_excluded, ", ")));
+  if (c.moe_layers.empty()) return 0;
+  const int index = layer >= 0 ? layer : c.moe_layers.front();
+  Result<std::vector<std::string>> parts = ckpt->describe_layer(index);
+  if (!parts.ok()) return fail(parts.status());
+  fmt::print("  layer {}:\n", index);
+  for (const std::string& line : *parts) fmt::print("    {}\n", line);
+  return 0;
+}
+
 struct RunOptions {
+  std::string checkpoint;  // a Hugging Face directory instead of a preset
+  int layer = -1;          // with --checkpoint: the MoE layer (default: the first one)
+  std::string input;       // safetensors with hidden_states [N, H]
+  std::string output;      // safetensors to write hidden_states [N, H] (F32) to
+  bool format_given = false;
   std::string preset = "qwen3-next-80b-a3b";
   std::string format = "nvfp4";
   int64_t tokens = 4;
@@ -79,8 +141,6 @@ int run_command(const RunOptions& opt) {
   if (!spec.ok()) return fail(spec.status());
   Result<BackendKind> kind = parse_backend(opt.backend);
   if (!kind.ok()) return fail(kind.status());
-  Result<const Preset*> preset = find_preset(opt.preset);
-  if (!preset.ok()) return fail(preset.status());
   BackendOptions options;
   if (!opt.path.empty()) {
     Result<PathKind> path = parse_path(opt.path);
@@ -91,14 +151,43 @@ int run_command(const RunOptions& opt) {
   if (!backend.ok()) return fail(backend.status());
 
   const auto build_start = Clock::now();
-  Result<Layer> layer = make_preset_layer(opt.preset, *spec, opt.seed);
-  if (!layer.ok()) return fail(layer.status());
+  std::string source;
+  std::optional<Layer> layer;
+  if (!opt.checkpoint.empty()) {
+    if (opt.format_given) {
+      return fail(invalid_argument("--format applies to presets; a checkpoint's format comes from its files"));
+    }
+    Result<Checkpoint> ckpt = Checkpoint::open(opt.checkpoint);
+    if (!ckpt.ok()) return fail(ckpt.status());
+    const int index = opt.layer >= 0 ? opt.layer : (ckpt->config().moe_layers.empty() ? 0 : ckpt->config().moe_layers.front());
+    Result<Layer> loaded = ckpt->load_layer(index);
+    if (!loaded.ok()) return fail(loaded.status());
+    layer.emplace(std::move(loaded).value());
+    source = fmt::format("{} layer {} ({})", opt.checkpoint, index, ckpt->config().model_type);
+  } else {
+    if (opt.layer >= 0) return fail(invalid_argument("--layer needs --checkpoint"));
+    Result<const Preset*> preset = find_preset(opt.preset);
+    if (!preset.ok()) return fail(preset.status());
+    Result<Layer> made = make_preset_layer(opt.preset, *spec, opt.seed);
+    if (!made.ok()) return fail(made.status());
+    layer.emplace(std::move(made).value());
+    source = fmt::format("{} ({}, {})", (*preset)->name, (*preset)->model, family_name((*preset)->family));
+  }
   const LayerDesc& d = layer->desc;
-  const std::vector<float> x = make_tokens(opt.tokens, d.hidden, opt.seed + 1);
+
+  int64_t n = opt.tokens;
+  std::vector<float> x;
+  if (!opt.input.empty()) {
+    Result<std::vector<float>> read = read_hidden_states(opt.input, d.hidden, &n);
+    if (!read.ok()) return fail(read.status());
+    x = std::move(read).value();
+  } else {
+    x = make_tokens(n, d.hidden, opt.seed + 1);
+  }
 
   // Generate (or later: load) the experts this batch routes to before timing, so the time
   // below is the layer's alone; a GPU backend uploads every expert.
-  Result<Routes> routes = moe_route_reference(*layer, x, opt.tokens);
+  Result<Routes> routes = moe_route_reference(*layer, x, n);
   if (!routes.ok()) return fail(routes.status());
   std::vector<int> touched;
   for (int id : routes->ids) {
@@ -113,7 +202,7 @@ int run_command(const RunOptions& opt) {
   }
   {
     ProgressBar bar("preparing backend");
-    Status prepared = (*backend)->prepare(*layer, opt.tokens, [&](int64_t done, int64_t total) { bar.update(done, total); });
+    Status prepared = (*backend)->prepare(*layer, n, [&](int64_t done, int64_t total) { bar.update(done, total); });
     if (!prepared.ok()) return fail(prepared);
   }
   const double build_seconds = seconds_since(build_start);
@@ -126,7 +215,7 @@ int run_command(const RunOptions& opt) {
   for (int i = 0; i < warmup + opt.iters; ++i) {
     std::fill(out.begin(), out.end(), std::nanf(""));  // poison: every element must be written
     const auto start = Clock::now();
-    Status st = (*backend)->forward(*layer, x, opt.tokens, out, &info);
+    Status st = (*backend)->forward(*layer, x, n, out, &info);
     if (!st.ok()) return fail(st);
     if (i >= warmup) times.push_back(seconds_since(start));
   }
@@ -141,18 +230,23 @@ int run_command(const RunOptions& opt) {
   }
 
   fmt::print("moeinfer run\n");
-  fmt::print("  preset    {} ({}, {})\n", (*preset)->name, (*preset)->model, family_name(d.family));
+  fmt::print("  layer     {}\n", source);
   fmt::print("  shape     {}\n", describe_shape(d));
   fmt::print("  routing   {}\n", describe_routing(d));
-  fmt::print("  format    {} experts ({} each), bf16 router\n", quant_spec_name(*spec),
-             human_bytes(layer->routed_expert_bytes()));
-  fmt::print("  tokens    {} (seed {})\n", opt.tokens, opt.seed);
+  fmt::print("  format    {} experts ({} each), {} router\n", quant_spec_name(layer->expert_spec),
+             human_bytes(layer->routed_expert_bytes()), quant_spec_name(layer->router.spec));
+  fmt::print("  tokens    {}\n", opt.input.empty() ? fmt::format("{} (seed {})", n, opt.seed) : fmt::format("{} from {}", n, opt.input));
   fmt::print("  backend   {} (path: {}; {})\n", backend_name((*backend)->kind()), info.path, info.detail);
   fmt::print("  experts   {} of {} touched, built and prepared in {:.2f} s\n", touched.size(), d.num_experts,
              build_seconds);
   fmt::print("  time      {:.3f} ms per call (median of {}, host to host)\n", median_ms, opt.iters);
   fmt::print("  output    [{}, {}] checksum sum={:.6e} l2={:.6e} out[0][0..3]=[{:.5f}, {:.5f}, {:.5f}, {:.5f}]\n",
-             opt.tokens, d.hidden, sum, std::sqrt(sum_sq), out[0], out[1], out[2], out[3]);
+             n, d.hidden, sum, std::sqrt(sum_sq), out[0], out[1], out[2], out[3]);
+  if (!opt.output.empty()) {
+    Status st = write_safetensors(opt.output, {tensor_from_floats("hidden_states", {n, d.hidden}, out)});
+    if (!st.ok()) return fail(st);
+    fmt::print("  wrote     {} (hidden_states [{}, {}] F32)\n", opt.output, n, d.hidden);
+  }
   if (opt.explain) {
     fmt::print("  plan      {}\n", info.plan.empty() ? "(this backend does not plan)" : info.plan);
   }
@@ -161,7 +255,7 @@ int run_command(const RunOptions& opt) {
     // bf16 activations, far below what one wrong route costs.
     constexpr double kTolerance = 1e-2;
     std::vector<float> expected(x.size());
-    Status st = moe_forward_reference(*layer, x, opt.tokens, expected);
+    Status st = moe_forward_reference(*layer, x, n, expected);
     if (!st.ok()) return fail(st);
     double num = 0.0, den = 0.0;
     for (size_t i = 0; i < out.size(); ++i) {
@@ -203,7 +297,11 @@ int main(int argc, char** argv) {
   CLI::App* run_cmd = app.add_subcommand("run", "Run one MoE layer of a preset on synthetic tokens");
   run_cmd->add_option("--preset", run.preset, "Layer shape of a real model (see `moeinfer presets`)")
       ->capture_default_str();
-  run_cmd->add_option("--format", run.format, "Expert weights: nvfp4, fp8 (block-128), fp8-channel, fp8-tensor, bf16")
+  run_cmd->add_option("--checkpoint", run.checkpoint, "A Hugging Face model directory instead of a preset");
+  run_cmd->add_option("--layer", run.layer, "With --checkpoint: the MoE layer (default: the first)");
+  run_cmd->add_option("--input", run.input, "safetensors file holding hidden_states [N, H] (F32, BF16 or F16)");
+  run_cmd->add_option("--output", run.output, "Write the output as hidden_states [N, H] F32 to this safetensors file");
+  CLI::Option* format_opt = run_cmd->add_option("--format", run.format, "Expert weights of a preset: nvfp4, fp8 (block-128), fp8-channel, fp8-tensor, bf16")
       ->capture_default_str();
   run_cmd->add_option("--tokens", run.tokens, "Tokens per call (N)")->capture_default_str();
   run_cmd->add_option("--seed", run.seed, "Seed of the synthetic weights and tokens")->capture_default_str();
@@ -215,6 +313,12 @@ int main(int argc, char** argv) {
   run_cmd->add_flag("--check", run.check, "Also run the CPU reference and report the relative L2 error");
 
   app.add_subcommand("presets", "List the presets and their shapes");
+
+  std::string inspect_dir;
+  int inspect_layer = -1;
+  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's MoE layers, formats and sizes");
+  inspect_cmd->add_option("--checkpoint", inspect_dir, "A Hugging Face model directory")->required();
+  inspect_cmd->add_option("--layer", inspect_layer, "The MoE layer to detail (default: the first)");
 
   try {
     app.parse(argc, argv);
@@ -231,6 +335,8 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  run.format_given = format_opt->count() > 0;
   if (run_cmd->parsed()) return run_command(run);
+  if (inspect_cmd->parsed()) return inspect_command(inspect_dir, inspect_layer);
   return presets_command();
 }

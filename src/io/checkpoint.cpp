@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 
 namespace moeinfer {
@@ -122,9 +123,19 @@ struct Checkpoint::State {
   }
   bool has(std::string_view name) const { return shard_of.find(name) != shard_of.end(); }
 
+  // compressed-tensors writes "re:<regex>" (Python re.match: anchored at the start only);
+  // ModelOpt writes '*' wildcards.
   bool excluded(std::string_view module) const {
     for (const std::string& p : config.quant_excluded) {
-      if (wildcard_match(p, module)) return true;
+      if (p.rfind("re:", 0) == 0) {
+        try {
+          if (std::regex_search(std::string(module), std::regex("^(?:" + p.substr(3) + ")"))) return true;
+        } catch (const std::regex_error&) {
+          continue;  // a pattern we cannot read excludes nothing
+        }
+      } else if (wildcard_match(p, module)) {
+        return true;
+      }
     }
     return false;
   }
