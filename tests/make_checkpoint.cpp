@@ -1,4 +1,5 @@
-// moeinfer_make_checkpoint DIR MODEL_TYPE LAYOUT: writes a tiny checkpoint of that family and
+// moeinfer_make_checkpoint DIR FAMILY LAYOUT: writes a tiny checkpoint of that family (a name in
+// testing::families()) and
 // layout (tests/checkpoint_writer.h) plus DIR/input.safetensors with hidden_states [5, H], for the
 // command-line tests.
 #include <fmt/format.h>
@@ -17,29 +18,35 @@ int main(int argc, char** argv) {
   }
   const std::string dir = argv[1], model_type = argv[2], layout_arg = argv[3];
   testing::Layout layout = testing::Layout::kBf16;
+  bool known = false;
   for (testing::Layout l : {testing::Layout::kBf16, testing::Layout::kModelOptNvfp4, testing::Layout::kModelOptNvfp4Hf,
                             testing::Layout::kCompressedNvfp4, testing::Layout::kDeepseekFp8}) {
-    if (layout_arg == testing::layout_name(l)) layout = l;
+    if (layout_arg == testing::layout_name(l)) {
+      layout = l;
+      known = true;
+    }
   }
-  Family family = Family::kQwen3Next;
-  FamilyShape shape{.hidden = 64, .intermediate = 32, .num_experts = 16, .top_k = 4, .shared_intermediate = 32};
-  if (model_type == "deepseek_v3") {
-    family = Family::kDeepseekV3;
-    shape = {.hidden = 64, .intermediate = 32, .num_experts = 16, .top_k = 4, .shared_intermediate = 32,
-             .routed_scaling_factor = 2.5, .n_group = 4, .topk_group = 2};
-  } else if (model_type == "gpt_oss") {
-    family = Family::kGptOss;
-    shape = {.hidden = 32, .intermediate = 48, .num_experts = 6, .top_k = 2};
-  } else if (model_type != "qwen3_next") {
-    fmt::print(stderr, "model type {} not offered here\n", model_type);
+  if (!known) {
+    fmt::print(stderr, "unknown layout {}\n", layout_arg);
     return 2;
   }
+  const testing::FamilyCase* fc = nullptr;
+  static const std::vector<testing::FamilyCase> table = testing::families();
+  for (const testing::FamilyCase& f : table) {
+    if (model_type == f.name) fc = &f;
+  }
+  if (fc == nullptr) {
+    fmt::print(stderr, "model type {} is not in the test family table\n", model_type);
+    return 2;
+  }
+  const Family family = fc->family;
+  const FamilyShape shape = fc->shape;
   Result<Layer> layer = make_synthetic_layer(family_layer(family, shape), testing::layout_spec(layout), 9);
   if (!layer.ok()) {
     fmt::print(stderr, "{}\n", layer.status().to_string());
     return 1;
   }
-  Status st = testing::write_test_checkpoint(dir, *layer, {model_type, layout, 2});
+  Status st = testing::write_test_checkpoint(dir, *layer, {fc->model_type, layout, 2});
   if (st.ok()) {
     const std::vector<float> x = make_tokens(5, shape.hidden, 4);
     st = write_safetensors(dir + "/input.safetensors", {tensor_from_floats("hidden_states", {5, shape.hidden}, x, Dtype::kBF16)});

@@ -146,7 +146,9 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::span<const uint8_t> bytes, s
   file.path_ = std::move(name);
   file.data_ = bytes.subspan(8 + header_len);
   const std::string& fname = file.path_;
-  for (const auto& [key, value] : root.items()) {
+  for (const auto& item : root.items()) {
+    const std::string& key = item.key();  // named, not a structured binding: lambdas capture it
+    const json& value = item.value();
     if (key == "__metadata__") {
       if (!value.is_object()) return corrupt(fname, "__metadata__ is not an object");
       for (const auto& [mk, mv] : value.items()) {
