@@ -32,6 +32,14 @@ Matrix linear(const Matrix& x, int64_t n, const Matrix& w, int64_t out_features,
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
+// torch.softmax over one row.
+void softmax_in_place(std::vector<double>& v) {
+  double mx = kNegInf, sum = 0.0;
+  for (double x : v) mx = std::max(mx, x);
+  for (double& x : v) sum += (x = std::exp(x - mx));
+  for (double& x : v) x /= sum;
+}
+
 // torch.topk on one row: k times, the first maximum among those not yet taken.
 std::vector<int> topk(std::vector<double> row, int k) {
   std::vector<int> idx;
@@ -81,10 +89,7 @@ Status hf_mirror_forward(const Layer& layer, std::span<const float> xs, int64_t 
     std::vector<double> row(logits.begin() + t * total, logits.begin() + (t + 1) * total);
     std::vector<double> scores = row;
     if (r.score == ScoreFunc::kSoftmax) {
-      double mx = kNegInf, sum = 0.0;
-      for (double v : row) mx = std::max(mx, v);
-      for (double& v : scores) sum += (v = std::exp(v - mx));
-      for (double& v : scores) v /= sum;
+      softmax_in_place(scores);
     } else if (r.score == ScoreFunc::kSigmoid) {
       for (double& v : scores) v = sigmoid(v);
     }
@@ -114,10 +119,7 @@ Status hf_mirror_forward(const Layer& layer, std::span<const float> xs, int64_t 
     std::vector<double> w;
     for (int id : ids) w.push_back(scores[static_cast<size_t>(id)]);  // gather, unbiased
     if (r.weight == WeightFunc::kSoftmaxOfSelected) {
-      double mx = kNegInf, sum = 0.0;
-      for (double v : w) mx = std::max(mx, v);
-      for (double& v : w) sum += (v = std::exp(v - mx));
-      for (double& v : w) v /= sum;
+      softmax_in_place(w);
     } else if (r.weight == WeightFunc::kSigmoidOfSelected) {
       for (double& v : w) v = sigmoid(v);
     }
