@@ -9,6 +9,8 @@
 
 #include "checkpoint_writer.h"
 #include "hf_mirror.h"
+#include <nlohmann/json.hpp>
+
 #include "moeinfer/checkpoint.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
@@ -247,6 +249,45 @@ TEST_F(DamagedCheckpoint, QuantizedTensorThatTheConfigExcludes) {
   });
   EXPECT_EQ(take(Checkpoint::open(dir_)).load_layer(1).status().message(),
             "model.layers.1.mlp.gate is stored as nvfp4, but the quantization config excludes it");
+}
+
+TEST(CheckpointExclusions, CompressedTensorsRegexIgnoreList) {
+  // compressed-tensors lists modules to leave unquantized as "re:" regexes. Quantize the router
+  // anyway and the loader must see that the regex excludes it.
+  const LayerDesc d = family_layer(Family::kQwen3Moe, families()[1].shape);
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 4));
+  const std::string dir = temp_dir("ct_regex");
+  ASSERT_OK(testing::write_test_checkpoint(dir, layer, {"qwen3_moe", Layout::kCompressedNvfp4, 1}));
+  const auto set_ignore = [&](const char* pattern) {
+    std::ifstream in(dir + "/config.json");
+    nlohmann::json c = nlohmann::json::parse(in);
+    c["quantization_config"]["ignore"] = {"lm_head", pattern};
+    std::ofstream(dir + "/config.json") << c.dump();
+  };
+  // Store the router in the compressed-tensors NVFP4 layout.
+  const SafetensorsFile f = take(SafetensorsFile::open(dir + "/model.safetensors"));
+  std::vector<TensorData> t;
+  for (const std::string& name : f.names()) {
+    if (name == "model.layers.1.mlp.gate.weight") continue;
+    const TensorView v = take(f.get(name));
+    t.push_back({name, v.dtype, v.shape, std::vector<uint8_t>(v.bytes.begin(), v.bytes.end())});
+  }
+  const QuantMatrix q = take(QuantMatrix::quantize(layer.router.dequantize(), 8, 48, {WeightFormat::kNVFP4}));
+  const float inv = 1.0f / q.global_scale;
+  std::vector<uint8_t> g(4);
+  std::memcpy(g.data(), &inv, 4);
+  t.push_back({"model.layers.1.mlp.gate.weight_packed", Dtype::kU8, {8, 24}, q.data});
+  t.push_back({"model.layers.1.mlp.gate.weight_scale", Dtype::kF8E4M3, {8, 3}, q.block_scales});
+  t.push_back({"model.layers.1.mlp.gate.weight_global_scale", Dtype::kF32, {1}, g});
+  ASSERT_OK(write_safetensors(dir + "/model.safetensors", t));
+
+  set_ignore("re:.*mlp\\.gate$");
+  EXPECT_EQ(take(Checkpoint::open(dir)).load_layer(1).status().message(),
+            "model.layers.1.mlp.gate is stored as nvfp4, but the quantization config excludes it");
+  set_ignore("re:.*self_attn.*");  // does not cover the router: the quantized router loads
+  EXPECT_TRUE(take(Checkpoint::open(dir)).load_layer(1).ok());
+  set_ignore("re:model[.]layers.*");  // regex syntax we do not translate excludes nothing
+  EXPECT_TRUE(take(Checkpoint::open(dir)).load_layer(1).ok());
 }
 
 // ---- damaged safetensors ----------------------------------------------------------------------

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "moeinfer/backend.h"
 #include "moeinfer/plan.h"
@@ -42,6 +44,19 @@ class CudaMoe {
   explicit CudaMoe(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// ---- measurement (the benchmark's instruments) ----------------------------------------------
+
+// Name of the current device, e.g. "NVIDIA H200".
+Result<std::string> cuda_device_name();
+// Streaming read bandwidth of the current device in GB/s: a reduction over `bytes` of device
+// memory, the median of several timed passes.
+Result<double> cuda_read_bandwidth(int64_t bytes = int64_t{4} << 30);
+// Median microseconds per forward of `n` tokens, timed with CUDA events over CUDA-graph replays:
+// one graph per token batch (each [n, H] floats, host memory), replayed in rotation so routing
+// and experts change from call to call; `reps` rounds over all batches, the median round counts.
+Result<double> cuda_time_forward(const CudaMoe& moe, const std::vector<std::vector<float>>& batches, int64_t n,
+                                 int reps);
 
 // The host-memory Backend over CudaMoe: uploads a layer on first use (again when a different
 // layer or a larger N comes), copies x in and the result out.

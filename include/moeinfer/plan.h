@@ -29,6 +29,7 @@ struct DeviceDesc {
 struct Plan {
   PathKind path = PathKind::kTokenMajor;
   int64_t max_tokens = 0;
+  std::string config;                // the kernel configuration, one line
   std::vector<std::string> reasons;  // why this path, one line each
 
   std::string explain() const;

@@ -6,11 +6,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "moeinfer/backend.h"
+#include "moeinfer/bench.h"
 #include "moeinfer/checkpoint.h"
 #include "moeinfer/safetensors.h"
 #include "moeinfer/presets.h"
@@ -114,6 +117,94 @@ int inspect_command(const std::string& dir, int layer) {
   if (!parts.ok()) return fail(parts.status());
   fmt::print("  layer {}:\n", index);
   for (const std::string& line : *parts) fmt::print("    {}\n", line);
+  return 0;
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) out.push_back(item);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+struct BenchOptions {
+  std::string presets = "qwen3-next-80b-a3b,qwen3-30b-a3b,deepseek-v3";
+  std::string formats = "nvfp4,fp8,bf16";
+  std::string tokens = "1,2,4,8,16,32,64,128,256";
+  std::string routing = "independent,correlated";
+  std::string backend = "auto";
+  std::string path;
+  std::string out = "bench-out";
+  int inputs = 8;
+  int reps = 20;
+  uint64_t seed = 0;
+};
+
+int bench_command(const BenchOptions& opt) {
+  BenchConfig cfg;
+  cfg.presets = split_list(opt.presets);
+  for (const std::string& f : split_list(opt.formats)) {
+    Result<QuantSpec> spec = parse_quant_spec(f);
+    if (!spec.ok()) return fail(spec.status());
+    cfg.formats.push_back(*spec);
+  }
+  cfg.tokens.clear();
+  for (const std::string& t : split_list(opt.tokens)) {
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(t, &used);
+      if (used != t.size() || v < 1 || v > 65536) throw std::invalid_argument(t);
+      cfg.tokens.push_back(v);
+    } catch (const std::exception&) {
+      return fail(invalid_argument(fmt::format("--tokens: '{}' is not a token count in [1, 65536]", t)));
+    }
+  }
+  cfg.routings.clear();
+  for (const std::string& r : split_list(opt.routing)) {
+    Result<TokenRouting> routing = parse_token_routing(r);
+    if (!routing.ok()) return fail(routing.status());
+    cfg.routings.push_back(*routing);
+  }
+  Result<BackendKind> kind = parse_backend(opt.backend);
+  if (!kind.ok()) return fail(kind.status());
+  if (*kind == BackendKind::kAuto) {
+    Result<std::unique_ptr<Backend>> best = make_backend(BackendKind::kAuto);
+    if (!best.ok()) return fail(best.status());
+    *kind = (*best)->kind();
+  }
+  cfg.backend = *kind;
+  if (!opt.path.empty()) {
+    Result<PathKind> path = parse_path(opt.path);
+    if (!path.ok()) return fail(path.status());
+    cfg.path = *path;
+  }
+  cfg.inputs = opt.inputs;
+  cfg.reps = opt.reps;
+  cfg.seed = opt.seed;
+
+  Result<BenchResult> result = [&] {
+    ProgressBar bar("bench");
+    return run_bench(cfg, [&](int64_t done, int64_t total, const std::string&) { bar.update(done, total); });
+  }();
+  if (!result.ok()) return fail(result.status());
+  fmt::print("{}", result->table());
+  std::error_code ec;
+  std::filesystem::create_directories(opt.out, ec);
+  for (const auto& [name, text] : {std::pair<std::string, std::string>{"bench.json", result->json()},
+                                   std::pair<std::string, std::string>{"bench.csv", result->csv()}}) {
+    const std::string file = (std::filesystem::path(opt.out) / name).string();
+    std::ofstream f(file);
+    f << text;
+    if (!f) return fail(Status(StatusCode::kIoError, fmt::format("cannot write {}", file)));
+  }
+  fmt::print("wrote {0}/bench.json and {0}/bench.csv (plot: scripts/plot_bench.py {0}/bench.json {0}/bench.png)\n",
+             opt.out);
   return 0;
 }
 
@@ -314,6 +405,21 @@ int main(int argc, char** argv) {
 
   app.add_subcommand("presets", "List the presets and their shapes");
 
+  BenchOptions bench;
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Time layer calls against the memory-bandwidth floor");
+  bench_cmd->add_option("--preset", bench.presets, "Comma-separated presets")->capture_default_str();
+  bench_cmd->add_option("--format", bench.formats, "Comma-separated formats")->capture_default_str();
+  bench_cmd->add_option("--tokens", bench.tokens, "Comma-separated token counts (N)")->capture_default_str();
+  bench_cmd->add_option("--routing", bench.routing, "independent, correlated or both (comma-separated)")
+      ->capture_default_str();
+  bench_cmd->add_option("--backend", bench.backend, "cuda, cpu, reference or auto")->capture_default_str();
+  bench_cmd->add_option("--path", bench.path, "Force a CUDA path: token-major or per-row");
+  bench_cmd->add_option("--inputs", bench.inputs, "Rotating token batches per row (at least 8 keeps L2 honest)")
+      ->capture_default_str();
+  bench_cmd->add_option("--reps", bench.reps, "Timed rounds over all batches; the median is reported")->capture_default_str();
+  bench_cmd->add_option("--seed", bench.seed, "Seed of weights and tokens")->capture_default_str();
+  bench_cmd->add_option("--out", bench.out, "Directory for bench.json and bench.csv")->capture_default_str();
+
   std::string inspect_dir;
   int inspect_layer = -1;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's MoE layers, formats and sizes");
@@ -338,5 +444,6 @@ int main(int argc, char** argv) {
   run.format_given = format_opt->count() > 0;
   if (run_cmd->parsed()) return run_command(run);
   if (inspect_cmd->parsed()) return inspect_command(inspect_dir, inspect_layer);
+  if (bench_cmd->parsed()) return bench_command(bench);
   return presets_command();
 }

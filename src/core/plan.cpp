@@ -20,7 +20,7 @@ Result<PathKind> parse_path(std::string_view name) {
 }
 
 std::string Plan::explain() const {
-  std::string s = fmt::format("path {} for up to {} tokens", path_name(path), max_tokens);
+  std::string s = fmt::format("path {} for up to {} tokens ({})", path_name(path), max_tokens, config);
   for (const std::string& r : reasons) s += "\n  - " + r;
   return s;
 }
@@ -66,22 +66,27 @@ Result<Plan> plan_cuda(const LayerDesc& d, QuantSpec spec, int64_t max_tokens, c
 
   Plan p;
   p.max_tokens = max_tokens;
+  const auto configure = [&](PathKind path) {
+    p.path = path;
+    p.config = path == PathKind::kTokenMajor ? "router 256 thr/token; gate_up, down: 4 warps x 4 rows/block, fp32 act"
+                                             : "router 256 thr/token; gate_up, down: 128 thr/route, scalar loads";
+  };
   const std::string refusal = token_major_refusal(d);
   if (forced) {
     if (*forced == PathKind::kTokenMajor && !refusal.empty()) {
       return unsupported("path token-major cannot run this layer: " + refusal);
     }
-    p.path = *forced;
+    configure(*forced);
     p.reasons.push_back(fmt::format("{} forced by the caller", path_name(*forced)));
     return p;
   }
   if (!refusal.empty()) {
-    p.path = PathKind::kPerRow;
+    configure(PathKind::kPerRow);
     p.reasons.push_back("token-major refused: " + refusal);
     p.reasons.push_back("per-row runs any shape");
     return p;
   }
-  p.path = PathKind::kTokenMajor;
+  configure(PathKind::kTokenMajor);
   p.reasons.push_back(fmt::format("token-major: {} tokens x top-{} = {} routes, each expert row read by one warp",
                                   max_tokens, d.top_k, max_tokens * d.top_k));
   p.reasons.push_back("expert-major (weights read once per distinct expert) is not built yet, so token-major "

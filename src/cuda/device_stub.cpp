@@ -33,5 +33,8 @@ int64_t CudaMoe::weight_bytes() const { return 0; }
 int64_t CudaMoe::workspace_bytes() const { return 0; }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(std::optional<PathKind>) { return no_cuda(); }
+Result<std::string> cuda_device_name() { return no_cuda(); }
+Result<double> cuda_read_bandwidth(int64_t) { return no_cuda(); }
+Result<double> cuda_time_forward(const CudaMoe&, const std::vector<std::vector<float>>&, int64_t, int) { return no_cuda(); }
 
 }  // namespace moeinfer

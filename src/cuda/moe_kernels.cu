@@ -487,6 +487,27 @@ cudaError_t launch_moe_per_row(const DevLayer& L, const float* x, int n, const D
   return launch_blend(L, x, n, ws, out, stream);
 }
 
+namespace {
+
+// Grid: `blocks` blocks of 256 threads striding over the buffer; 16-byte loads, fully coalesced.
+__global__ void __launch_bounds__(256) stream_read_kernel(const float4* data, int64_t count, float* sink) {
+  float acc = 0.0f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = __ldcs(data + i);  // streaming: each byte is read once
+    acc += v.x + v.y + v.z + v.w;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) sink[blockIdx.x] = acc;
+}
+
+}  // namespace
+
+cudaError_t launch_stream_read(const float4* data, int64_t count, float* sink, int blocks, cudaStream_t stream) {
+  stream_read_kernel<<<blocks, 256, 0, stream>>>(data, count, sink);
+  return cudaGetLastError();
+}
+
 bool kernels_runnable() {
   cudaFuncAttributes attr{};
   return cudaFuncGetAttributes(&attr, moe_route_kernel) == cudaSuccess;

@@ -71,6 +71,9 @@ cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n,
                                    float* out, cudaStream_t stream);
 cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                float* out, cudaStream_t stream);
+// One streaming pass reading `count` float4 values; per-block partial sums go to `sink`
+// ([blocks] floats) so the reads cannot be optimised away.
+cudaError_t launch_stream_read(const float4* data, int64_t count, float* sink, int blocks, cudaStream_t stream);
 // A kernel image exists for the current device (false when the build targets another arch).
 bool kernels_runnable();
 

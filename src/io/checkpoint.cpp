@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <sstream>
 
 namespace moeinfer {
@@ -123,21 +122,36 @@ struct Checkpoint::State {
   }
   bool has(std::string_view name) const { return shard_of.find(name) != shard_of.end(); }
 
-  // compressed-tensors writes "re:<regex>" (Python re.match: anchored at the start only);
-  // ModelOpt writes '*' wildcards.
+  // ModelOpt writes '*' wildcards; compressed-tensors writes "re:<regex>" (Python re.match,
+  // anchored at the start only), which glob_of() turns into a wildcard.
   bool excluded(std::string_view module) const {
     for (const std::string& p : config.quant_excluded) {
-      if (p.rfind("re:", 0) == 0) {
-        try {
-          if (std::regex_search(std::string(module), std::regex("^(?:" + p.substr(3) + ")"))) return true;
-        } catch (const std::regex_error&) {
-          continue;  // a pattern we cannot read excludes nothing
-        }
-      } else if (wildcard_match(p, module)) {
-        return true;
-      }
+      if (wildcard_match(p.rfind("re:", 0) == 0 ? glob_of(p.substr(3)) : p, module)) return true;
     }
     return false;
+  }
+
+  // The regexes quantizers write are '.*' runs, escaped dots and an optional '$': translate those.
+  // Any other regex syntax yields a pattern that matches nothing (it excludes nothing).
+  static std::string glob_of(const std::string& re) {
+    std::string g;
+    bool anchored_end = false;
+    for (size_t i = (re.rfind('^', 0) == 0 ? 1 : 0); i < re.size(); ++i) {
+      const char c = re[i];
+      if (c == '.' && i + 1 < re.size() && re[i + 1] == '*') {
+        g += '*';
+        ++i;
+      } else if (c == '\\' && i + 1 < re.size()) {
+        g += re[++i];
+      } else if (c == '$' && i + 1 == re.size()) {
+        anchored_end = true;
+      } else if (std::string_view("[](){}+?|^$").find(c) != std::string_view::npos) {
+        return std::string(1, '\0');  // unsupported syntax
+      } else {
+        g += c;  // '.' outside '.*' is taken literally: stricter than the regex, never looser
+      }
+    }
+    return anchored_end ? g : g + '*';
   }
 
   // Reads module `m` (its .weight and companions) as a [rows, cols] matrix in whatever format

@@ -1,0 +1,74 @@
+// The benchmark (DESIGN.md section 7): time per layer call against the memory-bandwidth floor.
+//
+// Every row: median time per call (CUDA events over CUDA-graph replays, rotating `inputs`
+// different token batches so routing and experts change between calls), distinct experts
+// touched, bytes the call must read, GB/s, the floor (bytes / read bandwidth measured in the
+// same run) and the fraction of it reached, with the path and config that ran.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moeinfer/backend.h"
+#include "moeinfer/format.h"
+#include "moeinfer/plan.h"
+#include "moeinfer/status.h"
+#include "moeinfer/weights.h"
+
+namespace moeinfer {
+
+enum class TokenRouting : uint8_t {
+  kIndependent,  // tokens drawn independently: about E (1 - (1 - k/E)^N) distinct experts
+  kCorrelated,   // tokens share topics within a batch, as real decode batches do
+};
+const char* token_routing_name(TokenRouting r);
+Result<TokenRouting> parse_token_routing(std::string_view name);
+
+// Token batches for the benchmark: n x hidden, bf16-valued. Correlated batches mix a few
+// "topic" directions per batch with per-token noise, so tokens of a batch route alike.
+std::vector<float> make_bench_tokens(int64_t n, int64_t hidden, TokenRouting routing, uint64_t seed);
+
+struct BenchConfig {
+  std::vector<std::string> presets;
+  std::vector<QuantSpec> formats;
+  std::vector<int64_t> tokens = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+  std::vector<TokenRouting> routings = {TokenRouting::kIndependent, TokenRouting::kCorrelated};
+  BackendKind backend = BackendKind::kCuda;
+  std::optional<PathKind> path;
+  int inputs = 8;   // rotating token batches
+  int reps = 20;    // timed rounds over all inputs; the median round is reported
+  uint64_t seed = 0;
+};
+
+struct BenchRow {
+  std::string preset;
+  std::string format;
+  std::string routing;
+  int64_t tokens = 0;
+  std::string backend;
+  std::string path;
+  std::string config;          // the plan's one-line choice
+  double time_us = 0;          // median per call
+  double distinct_experts = 0; // mean over the rotating inputs
+  double bytes = 0;            // mean bytes one call must read (experts touched, shared, router, activations)
+  double gbps = 0;             // bytes / time
+  double floor_us = 0;         // bytes / measured read bandwidth
+  double fraction = 0;         // floor_us / time_us
+};
+
+struct BenchResult {
+  std::string device;
+  double read_gbps = 0;  // measured streaming read bandwidth
+  std::vector<BenchRow> rows;
+
+  std::string table() const;
+  std::string json() const;
+  std::string csv() const;
+};
+
+using BenchProgress = std::function<void(int64_t done, int64_t total, const std::string& what)>;
+Result<BenchResult> run_bench(const BenchConfig& config, const BenchProgress& progress = {});
+
+}  // namespace moeinfer

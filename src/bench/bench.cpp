@@ -1,0 +1,245 @@
+// moeinfer bench: presets x formats x routings x N, each row against the bandwidth floor.
+#include "moeinfer/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <thread>
+
+#include "moeinfer/cuda.h"
+#include "moeinfer/presets.h"
+#include "moeinfer/reference.h"
+
+namespace moeinfer {
+
+const char* token_routing_name(TokenRouting r) {
+  return r == TokenRouting::kIndependent ? "independent" : "correlated";
+}
+
+Result<TokenRouting> parse_token_routing(std::string_view name) {
+  if (name == "independent") return TokenRouting::kIndependent;
+  if (name == "correlated") return TokenRouting::kCorrelated;
+  return invalid_argument(fmt::format("unknown routing '{}' (expected independent or correlated)", name));
+}
+
+std::vector<float> make_bench_tokens(int64_t n, int64_t hidden, TokenRouting routing, uint64_t seed) {
+  std::vector<float> x = make_tokens(n, hidden, seed);
+  if (routing == TokenRouting::kIndependent) return x;
+  // A batch of decode tokens talks about few things at once: each token is one of a few topic
+  // directions (one per 8 tokens) plus noise. kTopicWeight was tuned so that top-8-of-256
+  // routing of 17-token batches touches about 60 distinct experts, as one engine measured on
+  // real text (59 of 136 routes; independent tokens touch about 107).
+  constexpr float kTopicWeight = 0.9f;
+  const int64_t topics = std::max<int64_t>(1, (n + 7) / 8);
+  const std::vector<float> topic = make_tokens(topics, hidden, seed ^ 0x746F706963ull);
+  const float noise = std::sqrt(1.0f - kTopicWeight * kTopicWeight);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t k = static_cast<int64_t>((static_cast<uint64_t>(t) * 0x9E3779B97F4A7C15ull + seed) % static_cast<uint64_t>(topics));
+    for (int64_t i = 0; i < hidden; ++i) {
+      float& v = x[static_cast<size_t>(t * hidden + i)];
+      v = round_to_bf16(kTopicWeight * topic[static_cast<size_t>(k * hidden + i)] + noise * v);
+    }
+  }
+  return x;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Streaming read bandwidth of host memory: every thread sums its own slice of a buffer much
+// larger than the caches.
+double cpu_read_gbps() {
+  const size_t count = size_t{1} << 28;  // 1 GiB of floats
+  std::vector<float> buf(count, 1.0f);
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<double> gbps;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<double> sums(threads);
+    const auto start = Clock::now();
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        // Eight independent partial sums: the adds never wait on each other, so the loop runs
+        // at memory speed rather than at add latency.
+        const size_t b = count * t / threads / 8 * 8, e = count * (t + 1) / threads / 8 * 8;
+        float acc[8] = {};
+        for (size_t i = b; i < e; i += 8) {
+          for (int j = 0; j < 8; ++j) acc[j] += buf[i + static_cast<size_t>(j)];
+        }
+        sums[t] = std::accumulate(acc, acc + 8, 0.0);
+      });
+    }
+    for (std::thread& th : pool) th.join();
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    gbps.push_back(static_cast<double>(count * 4) / s / 1e9 + 0.0 * sums[0]);
+  }
+  std::sort(gbps.begin(), gbps.end());
+  return gbps[1];
+}
+
+}  // namespace
+
+Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progress) {
+  if (cfg.presets.empty() || cfg.formats.empty() || cfg.tokens.empty() || cfg.routings.empty()) {
+    return invalid_argument("bench: nothing to run (empty preset, format, token or routing list)");
+  }
+  if (cfg.inputs < 1 || cfg.reps < 1) return invalid_argument("bench: --inputs and --reps must be positive");
+  for (int64_t n : cfg.tokens) {
+    if (n < 1) return invalid_argument(fmt::format("bench: token count {} must be positive", n));
+  }
+  const bool cuda = cfg.backend == BackendKind::kCuda;
+  if (cfg.backend != BackendKind::kCuda && cfg.backend != BackendKind::kReference && cfg.backend != BackendKind::kCpu) {
+    return invalid_argument("bench: --backend must be cuda, cpu or reference");
+  }
+  std::unique_ptr<Backend> host_backend;
+  if (!cuda) {
+    Result<std::unique_ptr<Backend>> b = make_backend(cfg.backend);
+    if (!b.ok()) return b.status();
+    host_backend = std::move(b).value();
+  }
+  for (const std::string& p : cfg.presets) {
+    Result<const Preset*> found = find_preset(p);
+    if (!found.ok()) return found.status();
+  }
+
+  BenchResult result;
+  if (cuda) {
+    Result<std::string> name = cuda_device_name();
+    if (!name.ok()) return name.status();
+    result.device = *name;
+    Result<double> bw = cuda_read_bandwidth();
+    if (!bw.ok()) return bw.status();
+    result.read_gbps = *bw;
+  } else {
+    result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
+    result.read_gbps = cpu_read_gbps();
+  }
+
+  const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
+  const int64_t total = static_cast<int64_t>(cfg.presets.size() * cfg.formats.size() * cfg.routings.size() * cfg.tokens.size());
+  int64_t done = 0;
+  for (const std::string& preset : cfg.presets) {
+    for (const QuantSpec& spec : cfg.formats) {
+      const std::string label = fmt::format("{} {}", preset, quant_spec_name(spec));
+      if (progress) progress(done, total, label + ": building weights");
+      Result<Layer> layer = make_preset_layer(preset, spec, cfg.seed);
+      if (!layer.ok()) return layer.status();
+      const LayerDesc& d = layer->desc;
+      std::unique_ptr<CudaMoe> moe;
+      std::string path, config;
+      if (cuda) {
+        Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, cfg.path, [&](int64_t e, int64_t all) {
+          if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
+        });
+        if (!made.ok()) return made.status();
+        moe = std::move(made).value();
+        path = path_name(moe->plan().path);
+        config = moe->plan().config;
+      } else {
+        path = backend_name(cfg.backend);
+      }
+      const double fixed_bytes = static_cast<double>(layer->resident_bytes());
+      for (TokenRouting routing : cfg.routings) {
+        for (int64_t n : cfg.tokens) {
+          if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
+          std::vector<std::vector<float>> batches;
+          double distinct = 0.0;
+          for (int i = 0; i < cfg.inputs; ++i) {
+            batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
+            Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
+            if (!routes.ok()) return routes.status();
+            std::set<int> ids;
+            for (int id : routes->ids) {
+              if (id < d.num_experts) ids.insert(id);
+            }
+            distinct += static_cast<double>(ids.size());
+            if (!cuda) {  // generate the experts before the clock runs
+              const std::vector<int> touched(ids.begin(), ids.end());
+              MOEINFER_RETURN_IF_ERROR(layer->load_experts(touched));
+            }
+          }
+          distinct /= cfg.inputs;
+          double time_us = 0.0;
+          if (cuda) {
+            Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps);
+            if (!t.ok()) return t.status();
+            time_us = *t;
+          } else {
+            std::vector<float> out(static_cast<size_t>(n * d.hidden));
+            std::vector<double> times;
+            for (int r = 0; r < cfg.reps; ++r) {
+              const std::vector<float>& x = batches[static_cast<size_t>(r % cfg.inputs)];
+              const auto start = Clock::now();
+              MOEINFER_RETURN_IF_ERROR(host_backend->forward(*layer, x, n, out, nullptr));
+              times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+            }
+            std::sort(times.begin(), times.end());
+            time_us = times[times.size() / 2];
+          }
+          BenchRow row;
+          row.preset = preset;
+          row.format = quant_spec_name(spec);
+          row.routing = token_routing_name(routing);
+          row.tokens = n;
+          row.backend = backend_name(cfg.backend);
+          row.path = path;
+          row.config = config;
+          row.time_us = time_us;
+          row.distinct_experts = distinct;
+          // The floor: every distinct routed expert once, the shared expert, the router, the
+          // tokens read and the output written.
+          row.bytes = distinct * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes +
+                      2.0 * static_cast<double>(n * d.hidden) * 4.0;
+          row.gbps = row.bytes / (time_us * 1e-6) / 1e9;
+          row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;
+          row.fraction = row.floor_us / time_us;
+          result.rows.push_back(row);
+          ++done;
+        }
+      }
+    }
+  }
+  if (progress) progress(total, total, "done");
+  return result;
+}
+
+std::string BenchResult::table() const {
+  std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s\n", device, read_gbps);
+  s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}\n", "preset", "format",
+                   "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor");
+  for (const BenchRow& r : rows) {
+    s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%\n", r.preset,
+                     r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps,
+                     r.floor_us, r.fraction * 100.0);
+  }
+  return s;
+}
+
+std::string BenchResult::json() const {
+  nlohmann::json j = {{"device", device}, {"read_gbps", read_gbps}, {"rows", nlohmann::json::array()}};
+  for (const BenchRow& r : rows) {
+    j["rows"].push_back({{"preset", r.preset}, {"format", r.format}, {"routing", r.routing}, {"tokens", r.tokens},
+                         {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"time_us", r.time_us},
+                         {"distinct_experts", r.distinct_experts}, {"bytes", r.bytes}, {"gbps", r.gbps},
+                         {"floor_us", r.floor_us}, {"fraction", r.fraction}});
+  }
+  return j.dump(2) + "\n";
+}
+
+std::string BenchResult::csv() const {
+  std::string s = "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps\n";
+  for (const BenchRow& r : rows) {
+    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f}\n", r.preset, r.format,
+                     r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes, r.gbps,
+                     r.floor_us, r.fraction, read_gbps);
+  }
+  return s;
+}
+
+}  // namespace moeinfer
