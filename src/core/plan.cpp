@@ -68,8 +68,8 @@ Result<Plan> plan_cuda(const LayerDesc& d, QuantSpec spec, int64_t max_tokens, c
   p.max_tokens = max_tokens;
   const auto configure = [&](PathKind path) {
     p.path = path;
-    p.config = path == PathKind::kTokenMajor ? "router 256 thr/token; gate_up, down: 4 warps x 4 rows/block, fp32 act"
-                                             : "router 256 thr/token; gate_up, down: 128 thr/route, scalar loads";
+    p.config = path == PathKind::kTokenMajor ? "router 8 rows/block; gate_up, down: 1 row/warp, 16 B loads, fp32 act"
+                                             : "router 8 rows/block; gate_up, down: 128 thr/route, scalar loads";
   };
   const std::string refusal = token_major_refusal(d);
   if (forced) {

@@ -193,14 +193,16 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   // Scratch for max_tokens, planned once: forward allocates nothing.
   const int64_t routes = max_tokens * d.top_k + (d.has_shared() ? max_tokens : 0);
   const auto alloc = [&](int64_t bytes) -> Result<void*> { return impl->scratch.alloc(static_cast<size_t>(bytes)); };
+  Result<void*> logits = alloc(max_tokens * d.router_outputs() * 4);
   Result<void*> ids = alloc(max_tokens * d.top_k * 4);
   Result<void*> weights = alloc(max_tokens * d.top_k * 4);
   Result<void*> gate = alloc(max_tokens * 4);
   Result<void*> act = alloc(routes * L.act_stride * 4);
   Result<void*> yout = alloc(routes * d.hidden * 4);
-  for (const Result<void*>* r : {&ids, &weights, &gate, &act, &yout}) {
+  for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout}) {
     if (!r->ok()) return r->status();
   }
+  impl->ws.logits = static_cast<float*>(*logits);
   impl->ws.ids = static_cast<int32_t*>(*ids);
   impl->ws.weights = static_cast<float*>(*weights);
   impl->ws.shared_gate = static_cast<float*>(*gate);

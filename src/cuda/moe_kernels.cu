@@ -98,17 +98,51 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float dot8(const float (&w)[8], const float* x) {
+  const float4 a = *reinterpret_cast<const float4*>(x);
+  const float4 b = *reinterpret_cast<const float4*>(x + 4);
+  return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
+
 // sum_c W[r, c] * x[c] * x_scale over one warp; every lane returns the total.
+// Each lane reads 16 bytes of weights per step where the row allows it (32 NVFP4, 16 FP8 or
+// 8 BF16 values): a warp then asks for 512 contiguous bytes at once, enough to keep HBM busy.
 __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_scale) {
   const int lane = threadIdx.x % kWarp;
   float acc = 0.0f;
-  if (m.cols % 8 == 0) {
+  const int64_t row = static_cast<int64_t>(r) * m.cols;
+  if (m.format == static_cast<uint8_t>(WeightFormat::kNVFP4) && m.cols % 32 == 0) {
+    for (int c = lane * 32; c < m.cols; c += kWarp * 32) {
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + (row + c) / 2);
+      const uint8_t* bs = m.block_scales + static_cast<int64_t>(r) * (m.cols / 16) + c / 16;
+      const float s0 = e4m3_value(bs[0]) * m.global_scale, s1 = e4m3_value(bs[1]) * m.global_scale;
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = e2m1_value(words[q] >> (4 * j)) * (q < 2 ? s0 : s1);
+        acc += dot8(w, x + c + 8 * q);
+      }
+    }
+  } else if (m.format == static_cast<uint8_t>(WeightFormat::kFP8) && m.cols % 16 == 0) {
+    for (int c = lane * 16; c < m.cols; c += kWarp * 16) {
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + row + c);
+      const float s = fp8_scale(m, r, c);  // 16 columns never straddle a 128 block
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        float w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = e4m3_value(static_cast<uint8_t>(words[2 * q + j / 4] >> (8 * (j % 4)))) * s;
+        acc += dot8(w, x + c + 8 * q);
+      }
+    }
+  } else if (m.cols % 8 == 0) {
     for (int c = lane * 8; c < m.cols; c += kWarp * 8) {
       float w[8];
       load_weights8(m, r, c, w);
-      const float4 a = *reinterpret_cast<const float4*>(x + c);
-      const float4 b = *reinterpret_cast<const float4*>(x + c + 4);
-      acc += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+      acc += dot8(w, x + c);
     }
   } else {
     for (int c = lane; c < m.cols; c += kWarp) acc += load_weight(m, r, c) * x[c];
@@ -199,9 +233,22 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// Grid: one block per token. Block: 256 threads; warps share the router rows (one row per warp
-// at a time), then the whole block runs the selection of DESIGN.md section 2 on the token's
-// logits in shared memory: scores, keys, group masking, k rounds of argmax, weights.
+// Grid: (ceil((E + Z) / 8), n). Block: 8 warps, one router row each: the router is read by
+// every SM at once rather than by one block per token.
+constexpr int kRouterWarps = 8;
+__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, DevWorkspace ws) {
+  const int t = blockIdx.y;
+  const int e = blockIdx.x * kRouterWarps + threadIdx.x / kWarp;
+  if (e >= L.router_outputs) return;
+  const float dot = warp_dot(L.router, e, x + static_cast<int64_t>(t) * L.hidden, 1.0f);
+  if (threadIdx.x % kWarp == 0) {
+    ws.logits[static_cast<int64_t>(t) * L.router_outputs + e] = dot + (L.router.bias != nullptr ? L.router.bias[e] : 0.0f);
+  }
+}
+
+// Grid: one block per token. Block: 256 threads running the selection of DESIGN.md section 2
+// on the token's logits in shared memory: scores, keys, group masking, k rounds of argmax,
+// weights.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, const float* x, DevWorkspace ws) {
   extern __shared__ float smem[];
   const int outputs = L.router_outputs;
@@ -216,10 +263,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
   const float* xt = x + static_cast<int64_t>(t) * L.hidden;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
 
-  for (int e = warp; e < outputs; e += warps) {
-    const float dot = warp_dot(L.router, e, xt, 1.0f);
-    if (lane == 0) logits[e] = dot + (L.router.bias != nullptr ? L.router.bias[e] : 0.0f);
-  }
+  for (int e = threadIdx.x; e < outputs; e += blockDim.x) logits[e] = ws.logits[static_cast<int64_t>(t) * outputs + e];
   __syncthreads();
 
   // Scores, in fp32 as the reference blocks compute them.
@@ -328,11 +372,11 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
 // ---- token-major -------------------------------------------------------------------------------
 
 constexpr int kTmWarps = 4;         // warps per block
-constexpr int kTmRowsPerWarp = 4;   // output rows each warp owns
+constexpr int kTmRowsPerWarp = 1;   // output rows each warp owns: many small blocks fill every SM
 constexpr int kTmRowsPerBlock = kTmWarps * kTmRowsPerWarp;
 
-// Grid: (ceil(max I / 16), routes). Block: 4 warps; warp w owns rows [16 bx + 4 w, +4) of the
-// route's expert and computes both gate and up for each (the token's x stays in L1 across rows).
+// Grid: (ceil(max I / 4), routes). Block: 4 warps; warp w owns row 4 bx + w of the route's
+// expert and computes both gate and up for it (the token's x stays in L1 across rows).
 // The occupancy hint (4 blocks per SM) matters: without it ptxas held this kernel to 32
 // registers and spilled.
 __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_gate_up_token_major(DevLayer L, const float* x, int n,
@@ -356,7 +400,7 @@ __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_gate_up_token_major(D
   }
 }
 
-// Grid: (ceil(H / 16), routes). Block: 4 warps, 4 output rows of down each.
+// Grid: (ceil(H / 4), routes). Block: 4 warps, one output row of down each.
 __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevLayer L, int n, DevWorkspace ws) {
   int t, e;
   float in_scale;
@@ -457,6 +501,10 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
         cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
+  const dim3 logits_grid((L.router_outputs + kRouterWarps - 1) / kRouterWarps, n);
+  moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, ws);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, x, ws);
   return cudaGetLastError();
 }

@@ -58,6 +58,7 @@ struct DevLayer {
 // Scratch for one call of up to max_tokens tokens. Routes are numbered token-major:
 // route t * k + j is slot j of token t; route n * k + t is token t's shared expert.
 struct DevWorkspace {
+  float* logits = nullptr;       // [max_tokens, E + Z] router logits (router bias included)
   int32_t* ids = nullptr;        // [max_tokens * k]
   float* weights = nullptr;      // [max_tokens * k]
   float* shared_gate = nullptr;  // [max_tokens]
