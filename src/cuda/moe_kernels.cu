@@ -116,26 +116,14 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
     for (int c = lane * 32; c < m.cols; c += kWarp * 32) {
       const uint4 v = *reinterpret_cast<const uint4*>(m.data + (row + c) / 2);
       const uint8_t* bs = m.block_scales + static_cast<int64_t>(r) * (m.cols / 16) + c / 16;
+      const float s0 = e4m3_value(bs[0]) * m.global_scale, s1 = e4m3_value(bs[1]) * m.global_scale;
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // one 16-value scale block each
-        float block = 0.0f;
+      for (int q = 0; q < 4; ++q) {
+        float w[8];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const uint32_t w = words[2 * half + q];
-          const float* xq = x + c + 16 * half + 8 * q;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            // Two E2M1 codes become two fp16 values by moving bits: sign to bit 15, the three
-            // magnitude bits to bits 9-11. As fp16 that is the E2M1 value times 2^-14, exactly
-            // (code 1 lands on a subnormal, 2^-15); the 2^14 goes into the block scale.
-            const uint32_t t = (w >> (8 * k)) & 0xFFu;
-            const uint32_t bits = ((t & 0x7u) << 9) | ((t & 0x8u) << 12) | ((t & 0x70u) << 21) | ((t & 0x80u) << 24);
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
-            block += f.x * xq[2 * k] + f.y * xq[2 * k + 1];
-          }
-        }
-        acc += block * (e4m3_value(bs[half]) * m.global_scale * 16384.0f);
+        for (int j = 0; j < 8; ++j) w[j] = e2m1_value(words[q] >> (4 * j)) * (q < 2 ? s0 : s1);
+        acc += dot8(w, x + c + 8 * q);
       }
     }
   } else if (m.format == static_cast<uint8_t>(WeightFormat::kFP8) && m.cols % 16 == 0) {
