@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "cpu/moe_cpu.h"
 #include "cuda/device.h"
 #include "moeinfer/cuda.h"
 #include "moeinfer/reference.h"
@@ -58,7 +59,7 @@ std::vector<BackendAvailability> backend_availability() {
   } else {
     list.push_back({BackendKind::kCuda, true, ""});
   }
-  list.push_back({BackendKind::kCpu, false, "the fast CPU backend is not implemented yet"});
+  list.push_back({BackendKind::kCpu, true, ""});
   list.push_back({BackendKind::kReference, true, ""});
   return list;
 }
@@ -75,6 +76,7 @@ Result<std::unique_ptr<Backend>> make_backend(BackendKind kind, const BackendOpt
                                         path_name(*options.path)));
   }
   if (kind == BackendKind::kReference) return std::unique_ptr<Backend>(new ReferenceBackend());
+  if (kind == BackendKind::kCpu) return make_cpu_backend();
   for (const BackendAvailability& b : backend_availability()) {
     if (b.kind == kind && b.available && kind == BackendKind::kCuda) return make_cuda_backend(options.path);
     if (b.kind == kind && !b.available) {

@@ -330,28 +330,39 @@ void QuantMatrix::dequantize_row(int64_t r, float* out) const {
       }
       return;
     case WeightFormat::kFP8: {
-      const int64_t scols = fp8_scale_cols();
       const uint8_t* codes = data.data() + r * cols;
-      for (int64_t c = 0; c < cols; ++c) {
+      // One scale per 128 columns (block), per row (channel) or for all (tensor).
+      const int64_t span = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : cols;
+      for (int64_t c0 = 0; c0 < cols; c0 += span) {
         int64_t s = 0;
-        if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * scols + c / kFp8Block;
+        if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * fp8_scale_cols() + c0 / kFp8Block;
         else if (spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
-        out[c] = e4m3_to_float(codes[c]) * scales[static_cast<size_t>(s)];
+        const float scale = scales[static_cast<size_t>(s)];
+        const int64_t c1 = std::min(cols, c0 + span);
+        for (int64_t c = c0; c < c1; ++c) out[c] = e4m3_to_float(codes[c]) * scale;
       }
       return;
     }
     case WeightFormat::kNVFP4: {
+      // Each byte holds two elements, 2i in the low nibble: a 256-entry table of value pairs
+      // decodes both at once.
+      static const std::array<std::array<float, 2>, 256> pairs = [] {
+        std::array<std::array<float, 2>, 256> t{};
+        for (int b = 0; b < 256; ++b) {
+          t[static_cast<size_t>(b)] = {e2m1_to_float(static_cast<uint8_t>(b & 0xF)), e2m1_to_float(static_cast<uint8_t>(b >> 4))};
+        }
+        return t;
+      }();
       const int64_t groups = cols / kNvfp4Group;
       const uint8_t* bytes = data.data() + r * cols / 2;
       for (int64_t g = 0; g < groups; ++g) {
         const float block_scale = e4m3_to_float(block_scales[static_cast<size_t>(r * groups + g)]);
-        for (int64_t i = 0; i < kNvfp4Group; ++i) {
-          const int64_t c = g * kNvfp4Group + i;
-          const uint8_t byte = bytes[c / 2];
-          const uint8_t code = (c % 2 == 0) ? (byte & 0xF) : (byte >> 4);  // element 2i low
+        for (int64_t i = 0; i < kNvfp4Group / 2; ++i) {
+          const std::array<float, 2>& v = pairs[bytes[g * kNvfp4Group / 2 + i]];
           // e2m1 * e4m3 is exact in fp32 (at most 2 + 4 significant bits); only the global
           // scale rounds, once.
-          out[c] = (e2m1_to_float(code) * block_scale) * global_scale;
+          out[g * kNvfp4Group + 2 * i] = (v[0] * block_scale) * global_scale;
+          out[g * kNvfp4Group + 2 * i + 1] = (v[1] * block_scale) * global_scale;
         }
       }
       return;
