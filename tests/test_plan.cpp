@@ -60,3 +60,28 @@ TEST(Plan, ParsesPathNames) {
 
 }  // namespace
 }  // namespace moeinfer
+
+#include "moeinfer/ep.h"
+
+namespace moeinfer {
+namespace {
+
+TEST(ExpertSlice, ContiguousAndAsEvenAsPossible) {
+  // 10 experts over 3 ranks: 4, 3, 3.
+  EXPECT_EQ(expert_slice(10, 0, 3).begin, 0);
+  EXPECT_EQ(expert_slice(10, 0, 3).end, 4);
+  EXPECT_EQ(expert_slice(10, 1, 3).begin, 4);
+  EXPECT_EQ(expert_slice(10, 1, 3).end, 7);
+  EXPECT_EQ(expert_slice(10, 2, 3).begin, 7);
+  EXPECT_EQ(expert_slice(10, 2, 3).end, 10);
+  // More ranks than experts: the last rank owns nothing.
+  EXPECT_EQ(expert_slice(2, 2, 3).begin, expert_slice(2, 2, 3).end);
+  EXPECT_TRUE(expert_slice(2, 1, 3).owns(1));
+  EXPECT_FALSE(expert_slice(2, 1, 3).owns(0));
+  // One rank owns everything; a bad rank owns nothing.
+  EXPECT_EQ(expert_slice(7, 0, 1).end, 7);
+  EXPECT_EQ(expert_slice(7, 3, 2).end, 0);
+}
+
+}  // namespace
+}  // namespace moeinfer

@@ -5,7 +5,10 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -15,6 +18,7 @@
 #include "moeinfer/backend.h"
 #include "moeinfer/bench.h"
 #include "moeinfer/checkpoint.h"
+#include "moeinfer/ep.h"
 #include "moeinfer/safetensors.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
@@ -221,6 +225,7 @@ struct RunOptions {
   std::string backend = "auto";
   std::string path;
   int iters = 1;
+  int ep = 1;  // ranks of expert parallelism (CPU, MPI)
   bool explain = false;
   bool check = false;
 };
@@ -238,8 +243,19 @@ int run_command(const RunOptions& opt) {
     if (!path.ok()) return fail(path.status());
     options.path = *path;
   }
-  Result<std::unique_ptr<Backend>> backend = make_backend(*kind, options);
+  if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
+  const bool ep = opt.ep > 1;
+  if (ep && *kind != BackendKind::kCpu && *kind != BackendKind::kAuto) {
+    return fail(unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
+                                        "parallelism yet (NCCL on GPUs is not built)", backend_name(*kind))));
+  }
+  if (ep && ep_size() != opt.ep) {
+    return fail(internal_error(fmt::format("--ep {} but this job has {} MPI ranks", opt.ep, ep_size())));
+  }
+  Result<std::unique_ptr<Backend>> backend = ep ? make_cpu_ep_backend() : make_backend(*kind, options);
   if (!backend.ok()) return fail(backend.status());
+  // Under expert parallelism every rank computes; rank 0 alone reports and writes.
+  const bool quiet = ep_rank() != 0;
 
   const auto build_start = Clock::now();
   std::string source;
@@ -286,6 +302,11 @@ int run_command(const RunOptions& opt) {
   }
   std::sort(touched.begin(), touched.end());
   touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  const size_t touched_count = touched.size();
+  if (ep) {  // each rank loads only the experts it owns
+    const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
+    std::erase_if(touched, [&](int e) { return !slice.owns(e); });
+  }
   {
     ProgressBar bar("building experts");
     Status loaded = layer->load_experts(touched, [&](int64_t done, int64_t total) { bar.update(done, total); });
@@ -320,6 +341,7 @@ int run_command(const RunOptions& opt) {
     sum_sq += static_cast<double>(v) * v;
   }
 
+  if (quiet) return 0;
   fmt::print("moeinfer run\n");
   fmt::print("  layer     {}\n", source);
   fmt::print("  shape     {}\n", describe_shape(d));
@@ -328,7 +350,8 @@ int run_command(const RunOptions& opt) {
              human_bytes(layer->routed_expert_bytes()), quant_spec_name(layer->router.spec));
   fmt::print("  tokens    {}\n", opt.input.empty() ? fmt::format("{} (seed {})", n, opt.seed) : fmt::format("{} from {}", n, opt.input));
   fmt::print("  backend   {} (path: {}; {})\n", backend_name((*backend)->kind()), info.path, info.detail);
-  fmt::print("  experts   {} of {} touched, built and prepared in {:.2f} s\n", touched.size(), d.num_experts,
+  if (ep) fmt::print("  ep        {} ranks (MPI), partial outputs summed with MPI_Allreduce\n", opt.ep);
+  fmt::print("  experts   {} of {} touched, built and prepared in {:.2f} s\n", touched_count, d.num_experts,
              build_seconds);
   fmt::print("  time      {:.3f} ms per call (median of {}, host to host)\n", median_ms, opt.iters);
   fmt::print("  output    [{}, {}] checksum sum={:.6e} l2={:.6e} out[0][0..3]=[{:.5f}, {:.5f}, {:.5f}, {:.5f}]\n",
@@ -401,6 +424,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--iters", run.iters, "Timed calls; the median is reported")->capture_default_str();
   run_cmd->add_option("--path", run.path, "Force a CUDA path: token-major or per-row (default: plan() chooses)");
   run_cmd->add_flag("--explain", run.explain, "Print the plan: the path chosen and why");
+  run_cmd->add_option("--ep", run.ep, "Expert parallelism over this many CPU ranks (launched through mpirun)")
+      ->capture_default_str();
   run_cmd->add_flag("--check", run.check, "Also run the CPU reference and report the relative L2 error");
 
   app.add_subcommand("presets", "List the presets and their shapes");
@@ -442,6 +467,32 @@ int main(int argc, char** argv) {
   }
 
   run.format_given = format_opt->count() > 0;
+  if (run_cmd->parsed() && run.ep > 1) {
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr) {
+      // Not inside an MPI job yet: start one, each rank running this same command.
+      if (!ep_built_with_mpi()) return fail(ep_init(&argc, &argv));
+      std::vector<std::string> args = {"mpirun", "--oversubscribe", "-np", std::to_string(run.ep)};
+      if (geteuid() == 0) {  // Open MPI refuses root in mpirun and in every rank unless told twice
+        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+      }
+      std::error_code ec;
+      args.push_back(std::filesystem::read_symlink("/proc/self/exe", ec).string());
+      if (ec) args.back() = argv[0];
+      for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+      std::vector<char*> cargs;
+      for (std::string& a : args) cargs.push_back(a.data());
+      cargs.push_back(nullptr);
+      std::fflush(stdout);
+      execvp("mpirun", cargs.data());
+      return fail(unavailable(fmt::format("--ep needs mpirun (Open MPI) on the PATH: {}", std::strerror(errno))));
+    }
+    const Status st = ep_init(&argc, &argv);
+    if (!st.ok()) return fail(st);
+    const int rc = run_command(run);
+    ep_finalize();
+    return rc;
+  }
   if (run_cmd->parsed()) return run_command(run);
   if (inspect_cmd->parsed()) return inspect_command(inspect_dir, inspect_layer);
   if (bench_cmd->parsed()) return bench_command(bench);

@@ -8,6 +8,7 @@
 
 #include "core/parallel.h"
 #include "cpu/moe_cpu.h"
+#include "moeinfer/ep.h"
 #include "moeinfer/reference.h"
 
 namespace moeinfer {
@@ -72,6 +73,7 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(CpuEpConfig ep) : ep_(std::move(ep)) {}
   BackendKind kind() const override { return BackendKind::kCpu; }
 
   Status prepare(const Layer& layer, int64_t, const ProgressFn&) override {
@@ -113,7 +115,10 @@ class CpuBackend final : public Backend {
                                                     std::span<double>(weights.data() + t * k, static_cast<size_t>(k))));
     }
 
-    // Group the routes by expert: (token, weight) lists.
+    // Group the routes by expert: (token, weight) lists. Under expert parallelism only this
+    // rank's slice is computed here, and rank 0 alone adds the zero and shared experts.
+    const ExpertSlice slice = expert_slice(d.num_experts, ep_.rank, ep_.ranks);
+    const bool adds_once = ep_.rank == 0;
     std::vector<std::vector<std::pair<int64_t, float>>> by_expert(static_cast<size_t>(d.num_experts));
     std::fill(out.begin(), out.end(), 0.0f);
     for (int64_t t = 0; t < n; ++t) {
@@ -121,8 +126,9 @@ class CpuBackend final : public Backend {
         const int id = ids[static_cast<size_t>(t * k + j)];
         const auto w = static_cast<float>(weights[static_cast<size_t>(t * k + j)]);
         if (id >= d.num_experts) {  // zero-computation expert: w * x
+          if (!adds_once) continue;
           for (int64_t i = 0; i < h; ++i) out[static_cast<size_t>(t * h + i)] += w * x[static_cast<size_t>(t * h + i)];
-        } else {
+        } else if (slice.owns(id)) {
           by_expert[static_cast<size_t>(id)].emplace_back(t, w);
         }
       }
@@ -152,7 +158,7 @@ class CpuBackend final : public Backend {
         for (int64_t i = 0; i < h; ++i) o[i] += s * y[static_cast<size_t>(j * h + i)];
       }
     }
-    if (layer.shared) {
+    if (layer.shared && adds_once) {
       in.assign(x.begin(), x.end());
       expert_batch(d, *layer.shared, in, n, act, y);
       for (int64_t t = 0; t < n; ++t) {
@@ -161,20 +167,34 @@ class CpuBackend final : public Backend {
         for (int64_t i = 0; i < h; ++i) out[static_cast<size_t>(t * h + i)] += gate * y[static_cast<size_t>(t * h + i)];
       }
     }
+    if (ep_.ranks > 1) {
+      MOEINFER_RETURN_IF_ERROR(ep_.reduce(out));
+    }
     if (info != nullptr) {
-      info->path = "expert-major";
-      info->detail = fmt::format("float SIMD, {} distinct experts, each decoded once", touched);
+      info->path = ep_.ranks > 1 ? fmt::format("expert-major, expert parallel over {} ranks", ep_.ranks) : "expert-major";
+      info->detail = ep_.ranks > 1
+                         ? fmt::format("float SIMD; rank {} owns experts [{}, {}) and computed {} of them", ep_.rank,
+                                       slice.begin, slice.end, touched)
+                         : fmt::format("float SIMD, {} distinct experts, each decoded once", touched);
     }
     return {};
   }
 
  private:
+  CpuEpConfig ep_;
   uint64_t layer_id_ = 0;
   std::vector<float> router_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep) { return std::make_unique<CpuBackend>(std::move(ep)); }
+
+ExpertSlice expert_slice(int num_experts, int rank, int ranks) {
+  if (ranks < 1 || rank < 0 || rank >= ranks) return {};
+  const int base = num_experts / ranks, extra = num_experts % ranks;
+  const int begin = rank * base + std::min(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
 
 }  // namespace moeinfer

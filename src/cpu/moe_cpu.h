@@ -1,10 +1,22 @@
 // The fast CPU backend (internal; reached through make_backend(BackendKind::kCpu)).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <span>
 
 #include "moeinfer/backend.h"
 
 namespace moeinfer {
-std::unique_ptr<Backend> make_cpu_backend();
+
+// Expert parallelism for the CPU backend: this rank of `ranks` computes only its expert slice
+// (rank 0 also the shared and zero experts), then `reduce` sums the partial outputs in place.
+struct CpuEpConfig {
+  int rank = 0;
+  int ranks = 1;
+  std::function<Status(std::span<float>)> reduce;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep = {});
+
 }  // namespace moeinfer

@@ -1,0 +1,34 @@
+// Expert parallelism (DESIGN.md section 6): each rank owns a contiguous slice of the routed
+// experts; routing runs on every rank; a route to another rank's expert contributes zero here;
+// the shared expert and the identity (zero) experts are added once, by rank 0; an all-reduce
+// sums the partial outputs. On CPUs the ranks are MPI processes (launched by mpirun).
+#pragma once
+
+#include <memory>
+
+#include "moeinfer/backend.h"
+#include "moeinfer/status.h"
+
+namespace moeinfer {
+
+struct ExpertSlice {
+  int begin = 0;  // first owned expert
+  int end = 0;    // one past the last
+  bool owns(int e) const { return e >= begin && e < end; }
+};
+// Rank r of `ranks`: contiguous, as even as possible; the first E % ranks ranks own one more.
+ExpertSlice expert_slice(int num_experts, int rank, int ranks);
+
+// MPI, when this build has it. ep_init may be called once per process; a build without MPI
+// returns "unavailable" from ep_init and make_cpu_ep_backend.
+bool ep_built_with_mpi();
+Status ep_init(int* argc, char*** argv);
+void ep_finalize();
+int ep_rank();  // 0 before ep_init
+int ep_size();  // 1 before ep_init
+
+// The CPU backend running this rank's slice of every layer, with the partial outputs summed
+// over MPI_COMM_WORLD: every rank returns the whole layer output.
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend();
+
+}  // namespace moeinfer

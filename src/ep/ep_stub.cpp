@@ -1,0 +1,17 @@
+// Built when CMake finds no MPI: expert parallelism reports itself unavailable.
+#include "moeinfer/ep.h"
+
+namespace moeinfer {
+
+namespace {
+Status no_mpi() { return unavailable("this build has no MPI (install libopenmpi-dev and reconfigure)"); }
+}  // namespace
+
+bool ep_built_with_mpi() { return false; }
+Status ep_init(int*, char***) { return no_mpi(); }
+void ep_finalize() {}
+int ep_rank() { return 0; }
+int ep_size() { return 1; }
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend() { return no_mpi(); }
+
+}  // namespace moeinfer

@@ -1,0 +1,59 @@
+// CPU expert parallelism over MPI (built when CMake finds MPI).
+#include <mpi.h>
+
+#include <fmt/format.h>
+
+#include "cpu/moe_cpu.h"
+#include "moeinfer/ep.h"
+
+namespace moeinfer {
+
+bool ep_built_with_mpi() { return true; }
+
+Status ep_init(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) return {};
+  if (MPI_Init(argc, argv) != MPI_SUCCESS) return unavailable("MPI_Init failed");
+  return {};
+}
+
+void ep_finalize() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Finalize();
+}
+
+int ep_rank() {
+  int initialized = 0, rank = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int ep_size() {
+  int initialized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return unavailable("expert parallelism needs MPI initialised (ep_init) in every rank");
+  CpuEpConfig ep;
+  ep.rank = ep_rank();
+  ep.ranks = ep_size();
+  ep.reduce = [](std::span<float> out) -> Status {
+    if (MPI_Allreduce(MPI_IN_PLACE, out.data(), static_cast<int>(out.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) !=
+        MPI_SUCCESS) {
+      return Status(StatusCode::kInternal, "MPI_Allreduce of the partial outputs failed");
+    }
+    return {};
+  };
+  return make_cpu_backend(std::move(ep));
+}
+
+}  // namespace moeinfer

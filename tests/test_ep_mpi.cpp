@@ -1,0 +1,78 @@
+// Expert parallelism on CPUs, run under mpirun (-np 2 and -np 3 in CTest): every rank's result
+// must equal the single-process result, with uneven slices, ranks whose experts get no route,
+// and the shared and zero experts added exactly once.
+#include <gtest/gtest.h>
+
+#include "cpu/moe_cpu.h"
+#include "moeinfer/ep.h"
+#include "moeinfer/presets.h"
+#include "test_util.h"
+
+namespace moeinfer {
+namespace {
+
+using testing::take;
+
+struct EpCase {
+  const char* name;
+  Family family;
+  FamilyShape shape;
+  int64_t tokens;
+};
+
+class ExpertParallel : public ::testing::TestWithParam<EpCase> {};
+
+TEST_P(ExpertParallel, EveryRankGetsTheSingleProcessResult) {
+  const EpCase& c = GetParam();
+  const LayerDesc d = family_layer(c.family, c.shape);
+  const std::vector<float> x = make_tokens(c.tokens, d.hidden, 17);
+  const auto size = static_cast<size_t>(c.tokens * d.hidden);
+
+  // This rank's layer: only the experts of its slice may be loaded by the EP forward.
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
+  std::unique_ptr<Backend> ep = take(make_cpu_ep_backend());
+  std::vector<float> got(size, std::nanf(""));
+  ASSERT_OK(ep->forward(layer, x, c.tokens, got, nullptr));
+  const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
+  EXPECT_LE(layer.loaded_experts(), slice.end - slice.begin) << "rank " << ep_rank() << " loaded another rank's expert";
+
+  const Layer whole = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
+  std::vector<float> expected(size, std::nanf(""));
+  ASSERT_OK(make_cpu_backend()->forward(whole, x, c.tokens, expected, nullptr));
+  // Float sums in another order: a few ulps. A shared expert added twice, or a lost route,
+  // is a whole term (>= 1e-2 relative).
+  EXPECT_LE(testing::rel_l2(got, expected), 1e-5) << "rank " << ep_rank() << " of " << ep_size();
+}
+
+std::vector<EpCase> cases() {
+  return {
+      {"shared_gated", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 10, .top_k = 3, .shared_intermediate = 32}, 5},
+      {"zero_experts", Family::kLongcatFlash, {.hidden = 32, .intermediate = 16, .num_experts = 7, .top_k = 4, .num_zero_experts = 4, .norm_topk_prob = false, .routed_scaling_factor = 6.0}, 6},
+      {"groups", Family::kDeepseekV3, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 4, .shared_intermediate = 16, .routed_scaling_factor = 2.5, .n_group = 4, .topk_group = 2}, 4},
+      {"input_scaled", Family::kLlama4, {.hidden = 32, .intermediate = 16, .num_experts = 5, .top_k = 1, .shared_intermediate = 16}, 3},
+      {"biases", Family::kGptOss, {.hidden = 32, .intermediate = 16, .num_experts = 6, .top_k = 2}, 4},
+      // One token, one route: every rank but one has nothing to do.
+      {"idle_ranks", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 1}, 1},
+      // Fewer experts than ranks at -np 3: a rank owns none.
+      {"empty_slice", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 2, .top_k = 2}, 3},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallel, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
+
+}  // namespace
+}  // namespace moeinfer
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (!moeinfer::ep_init(&argc, &argv).ok()) return 1;
+  if (moeinfer::ep_rank() != 0) {  // one report, from rank 0; the others still fail the run
+    delete ::testing::UnitTest::GetInstance()->listeners().Release(
+        ::testing::UnitTest::GetInstance()->listeners().default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  int worst = rc;
+  moeinfer::ep_finalize();
+  return worst;
+}
