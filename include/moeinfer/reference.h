@@ -26,6 +26,9 @@ Status moe_select_reference(const LayerDesc& desc, std::span<const double> logit
                             std::span<const float> correction_bias, std::span<int> ids,
                             std::span<double> weights);
 
+// The checks every CPU path makes on its input: n >= 1, x holds n * H values, all finite.
+Status moe_check_input(const LayerDesc& desc, std::span<const float> x, int64_t n);
+
 // Router logits for n tokens: [n, E + Z], router bias included.
 Status moe_router_reference(const Layer& layer, std::span<const float> x, int64_t n,
                             std::vector<double>* logits);

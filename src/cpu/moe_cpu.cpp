@@ -88,16 +88,10 @@ class CpuBackend final : public Backend {
                  ForwardInfo* info) override {
     const LayerDesc& d = layer.desc;
     const int64_t h = d.hidden, outputs = d.router_outputs(), k = d.top_k;
-    if (n < 1) return invalid_argument(fmt::format("token count must be positive (got {})", n));
-    if (static_cast<int64_t>(x.size()) != n * h || static_cast<int64_t>(out.size()) != n * h) {
-      return invalid_argument(fmt::format("input/output hold {}/{} values, {} tokens of hidden size {} need {}",
-                                          x.size(), out.size(), n, h, n * h));
-    }
-    for (size_t i = 0; i < x.size(); ++i) {
-      if (!std::isfinite(x[i])) {
-        return invalid_argument(fmt::format("input token {}, element {} is not finite ({})",
-                                            static_cast<int64_t>(i) / h, static_cast<int64_t>(i) % h, x[i]));
-      }
+    MOEINFER_RETURN_IF_ERROR(moe_check_input(d, x, n));
+    if (static_cast<int64_t>(out.size()) != n * h) {
+      return invalid_argument(fmt::format("output holds {} values, {} tokens of hidden size {} need {}", out.size(), n,
+                                          h, n * h));
     }
     MOEINFER_RETURN_IF_ERROR(prepare(layer, n, {}));
 

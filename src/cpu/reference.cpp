@@ -146,10 +146,8 @@ Status moe_select_reference(const LayerDesc& d, std::span<const double> logits,
   return {};
 }
 
-namespace {
-
-Status check_tokens(const Layer& layer, std::span<const float> x, int64_t n) {
-  const int64_t h = layer.desc.hidden;
+Status moe_check_input(const LayerDesc& desc, std::span<const float> x, int64_t n) {
+  const int64_t h = desc.hidden;
   if (n <= 0) return invalid_argument(fmt::format("token count must be positive (got {})", n));
   if (static_cast<int64_t>(x.size()) != n * h) {
     return invalid_argument(fmt::format("input holds {} values, {} tokens of hidden size {} need {}",
@@ -164,11 +162,9 @@ Status check_tokens(const Layer& layer, std::span<const float> x, int64_t n) {
   return {};
 }
 
-}  // namespace
-
 Status moe_router_reference(const Layer& layer, std::span<const float> x, int64_t n,
                             std::vector<double>* logits) {
-  MOEINFER_RETURN_IF_ERROR(check_tokens(layer, x, n));
+  MOEINFER_RETURN_IF_ERROR(moe_check_input(layer.desc, x, n));
   const LayerDesc& d = layer.desc;
   const auto h = static_cast<size_t>(d.hidden);
   const auto outputs = static_cast<size_t>(d.router_outputs());

@@ -523,7 +523,6 @@ Result<std::vector<std::string>> Checkpoint::describe_layer(int layer) const {
   if (!n.shared_gate.empty()) lines.push_back(fmt::format("shared gate     {}", n.shared_gate));
   if (!n.correction_bias.empty()) lines.push_back(fmt::format("correction bias {}", n.correction_bias));
   // Bytes: every tensor under the layer's MoE module.
-  const std::string module = n.router.substr(0, n.router.rfind('.') + 1);
   const std::string block = n.experts.substr(0, n.experts.find(".experts.") + 1);
   int64_t bytes = 0, count = 0;
   for (const auto& [name, file] : state_->shard_of) {
@@ -533,7 +532,6 @@ Result<std::vector<std::string>> Checkpoint::describe_layer(int layer) const {
     bytes += static_cast<int64_t>(t->bytes.size());
     ++count;
   }
-  (void)module;
   lines.push_back(fmt::format("bytes           {} in {} tensors ({:.2f} MiB)", bytes, count, static_cast<double>(bytes) / (1 << 20)));
   return lines;
 }
