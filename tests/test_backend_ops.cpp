@@ -54,6 +54,13 @@ std::vector<Variant> variants() {
       // Not a multiple of 8 anywhere: token-major refuses it, per-row runs it. No NVFP4 (16).
       {"ragged", Family::kQwen2Moe, {.hidden = 100, .intermediate = 36, .num_experts = 6, .top_k = 2, .shared_intermediate = 20}, false,
        {"bf16", "fp8-block", "fp8-channel"}},
+      // Expert-major's loop structure: several full chunks per warp (384 = 3 NVFP4 chunks of 128,
+      // 6 FP8 chunks of 64, 12 BF16 chunks of 32) ...
+      {"chunks", Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16, .top_k = 4, .shared_intermediate = 128}},
+      // ... and ragged tails: 272 = 2 x 128 + 16 and 176 = 128 + 48 (16-column tail steps; NVFP4
+      // rows of 136 bytes, so every other row is only 8-byte aligned), 8 experts of top-4 so
+      // that N >= 64 puts more than 32 routes (one work item) on an expert.
+      {"tails", Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8, .top_k = 4, .shared_intermediate = 144, .routed_scaling_factor = 2.5}},
       // Quantized routers (the router kernel decodes any format).
       {"nvfp4router", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 16, .top_k = 4, .shared_intermediate = 32}, false,
        {"nvfp4"}, "nvfp4"},
@@ -154,7 +161,9 @@ class BackendCase : public ::testing::Test {
     // activation to bf16 (2^-9 relative each, at most). Three roundings in sequence give about
     // sqrt(3) * 2^-9 ~ 3.4e-3 relative L2 (independent errors, averaged over K-term sums), so
     // 1e-2 leaves room, while one wrong route (a whole expert's contribution, O(1/k) of the
-    // output) lands far above it. The CUDA paths today keep fp32 activations (~1e-6 here).
+    // output) lands far above it. Token-major and per-row keep fp32 activations (~1e-6 here);
+    // expert-major rounds x and the activation to fp16 (2^-11) or bf16 (BF16 weights) for the
+    // tensor cores, after a power-of-two range scale.
     check_against_reference(f, backend_name(kind_), 1e-2, [&](std::span<float> out) {
       return backend->forward(*f.layer, f.x, case_.n, out, nullptr);
     });
@@ -185,7 +194,7 @@ void register_backend_ops_tests() {
   for (const BackendAvailability& b : backend_availability()) {
     if (!b.available || b.kind == BackendKind::kReference) continue;
     std::vector<std::optional<PathKind>> paths = {std::nullopt};
-    if (b.kind == BackendKind::kCuda) paths = {PathKind::kTokenMajor, PathKind::kPerRow};
+    if (b.kind == BackendKind::kCuda) paths = {PathKind::kExpertMajor, PathKind::kTokenMajor, PathKind::kPerRow};
     for (const std::optional<PathKind>& path : paths) {
       std::string suite = std::string("BackendOps_") + backend_name(b.kind);
       if (path) suite += std::string("_") + path_name(*path);

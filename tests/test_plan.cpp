@@ -14,15 +14,29 @@ LayerDesc qwen3next(int64_t hidden = 2048, int64_t inter = 512) {
                                            .shared_intermediate = 512});
 }
 
-TEST(Plan, TokenMajorForAlignedDecodeShapes) {
+TEST(Plan, ExpertMajorForAlignedShapes) {
   const Plan p = take(plan_cuda(qwen3next(), {WeightFormat::kNVFP4}, 8, DeviceDesc{9, 0}));
-  EXPECT_EQ(p.path, PathKind::kTokenMajor);
+  EXPECT_EQ(p.path, PathKind::kExpertMajor);
+  EXPECT_EQ(p.path_for(1), kExpertMajorCrossover > 1 ? PathKind::kTokenMajor : PathKind::kExpertMajor);
+  EXPECT_EQ(p.path_for(8), kExpertMajorCrossover > 8 ? PathKind::kTokenMajor : PathKind::kExpertMajor);
   EXPECT_EQ(p.max_tokens, 8);
-  EXPECT_NE(p.explain().find("path token-major for up to 8 tokens"), std::string::npos) << p.explain();
+  EXPECT_NE(p.explain().find("expert-major"), std::string::npos) << p.explain();
+  EXPECT_NE(p.explain().find("top-10 routes"), std::string::npos) << p.explain();
+}
+
+TEST(Plan, TokenMajorWhenExpertMajorCannot) {
+  // 520 = 8 x 65: a multiple of 8 (token-major) but not of 16 (expert-major). BF16 has no
+  // group of 16 to respect.
+  const Plan p = take(plan_cuda(qwen3next(2048, 520), {WeightFormat::kBF16}, 8, DeviceDesc{9, 0}));
+  EXPECT_EQ(p.path, PathKind::kTokenMajor);
+  EXPECT_EQ(p.path_for(1), PathKind::kTokenMajor);
+  EXPECT_NE(p.explain().find("expert-major refused: moe_intermediate_size 520 is not a multiple of 16"),
+            std::string::npos)
+      << p.explain();
   EXPECT_NE(p.explain().find("80 routes"), std::string::npos) << p.explain();
 }
 
-TEST(Plan, PerRowWhenTokenMajorCannot) {
+TEST(Plan, PerRowWhenNeitherCan) {
   const Plan p = take(plan_cuda(qwen3next(100, 36), {WeightFormat::kBF16}, 4, DeviceDesc{}));
   EXPECT_EQ(p.path, PathKind::kPerRow);
   EXPECT_NE(p.explain().find("hidden_size 100 is not a multiple of 8"), std::string::npos) << p.explain();
@@ -39,6 +53,9 @@ TEST(Plan, ForcedPathsAndNamedRefusals) {
   EXPECT_EQ(refused.status().message(),
             "path token-major cannot run this layer: hidden_size 100 is not a multiple of 8 (token-major loads 8 "
             "weights at a time)");
+  EXPECT_EQ(plan_cuda(qwen3next(2048, 520), {WeightFormat::kBF16}, 4, DeviceDesc{}, PathKind::kExpertMajor).status().message(),
+            "path expert-major cannot run this layer: moe_intermediate_size 520 is not a multiple of 16 (expert-major "
+            "runs 16 x 16 MMA tiles)");
 
   EXPECT_EQ(plan_cuda(qwen3next(), {WeightFormat::kNVFP4}, 4, DeviceDesc{8, 0}).status().message(),
             "the CUDA paths are built for sm_90a (Hopper); this device is sm_80");
@@ -55,7 +72,9 @@ TEST(Plan, ForcedPathsAndNamedRefusals) {
 TEST(Plan, ParsesPathNames) {
   EXPECT_EQ(take(parse_path("per-row")), PathKind::kPerRow);
   EXPECT_EQ(take(parse_path("token-major")), PathKind::kTokenMajor);
-  EXPECT_EQ(parse_path("expert-major").status().message(), "unknown path 'expert-major' (expected token-major or per-row)");
+  EXPECT_EQ(take(parse_path("expert-major")), PathKind::kExpertMajor);
+  EXPECT_EQ(parse_path("grouped").status().message(),
+            "unknown path 'grouped' (expected expert-major, token-major or per-row)");
 }
 
 }  // namespace

@@ -190,7 +190,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
           row.routing = token_routing_name(routing);
           row.tokens = n;
           row.backend = backend_name(cfg.backend);
-          row.path = path;
+          row.path = moe ? path_name(moe->plan().path_for(n)) : path;
           row.config = config;
           row.time_us = time_us;
           row.distinct_experts = distinct;

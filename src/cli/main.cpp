@@ -422,7 +422,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--backend", run.backend, "reference, cpu, cuda or auto (the best available)")
       ->capture_default_str();
   run_cmd->add_option("--iters", run.iters, "Timed calls; the median is reported")->capture_default_str();
-  run_cmd->add_option("--path", run.path, "Force a CUDA path: token-major or per-row (default: plan() chooses)");
+  run_cmd->add_option("--path", run.path, "Force a CUDA path: expert-major, token-major or per-row (default: plan() chooses)");
   run_cmd->add_flag("--explain", run.explain, "Print the plan: the path chosen and why");
   run_cmd->add_option("--ep", run.ep, "Expert parallelism over this many CPU ranks (launched through mpirun)")
       ->capture_default_str();
@@ -438,7 +438,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--routing", bench.routing, "independent, correlated or both (comma-separated)")
       ->capture_default_str();
   bench_cmd->add_option("--backend", bench.backend, "cuda, cpu, reference or auto")->capture_default_str();
-  bench_cmd->add_option("--path", bench.path, "Force a CUDA path: token-major or per-row");
+  bench_cmd->add_option("--path", bench.path, "Force a CUDA path: expert-major, token-major or per-row");
   bench_cmd->add_option("--inputs", bench.inputs, "Rotating token batches per row (at least 8 keeps L2 honest)")
       ->capture_default_str();
   bench_cmd->add_option("--reps", bench.reps, "Timed rounds over all batches; the median is reported")->capture_default_str();

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "cuda/moe_kernels.cuh"
@@ -159,6 +160,29 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<const cuda::DevExpert*> experts = impl->weights.upload(table);
   if (!experts.ok()) return experts.status();
 
+  // Expert-major runs gate and up of an expert in one MMA loop, so they must share a format.
+  std::string mixed;
+  for (size_t e = 0; e < table.size() && mixed.empty(); ++e) {
+    const cuda::DevMatrix& g = table[e].gate;
+    const cuda::DevMatrix& u = table[e].up;
+    if (g.format != u.format || (g.format == static_cast<uint8_t>(WeightFormat::kFP8) && g.fp8_scaling != u.fp8_scaling)) {
+      mixed = fmt::format("{}: gate_proj and up_proj are stored in different formats",
+                          e < static_cast<size_t>(d.num_experts) ? fmt::format("expert {}", e) : "the shared expert");
+    }
+  }
+  Plan& planned = impl->plan;
+  if (!mixed.empty() && (planned.path == PathKind::kExpertMajor || planned.small_path == PathKind::kExpertMajor)) {
+    if (path) return unsupported("path expert-major cannot run this layer: " + mixed);
+    Result<Plan> fallback = plan_cuda(d, layer.expert_spec, max_tokens, DeviceDesc{prop.major, prop.minor},
+                                      PathKind::kTokenMajor);
+    if (!fallback.ok()) {
+      fallback = plan_cuda(d, layer.expert_spec, max_tokens, DeviceDesc{prop.major, prop.minor}, PathKind::kPerRow);
+    }
+    if (!fallback.ok()) return fallback.status();
+    planned = *fallback;
+    planned.reasons = {"expert-major refused: " + mixed, std::string(path_name(planned.path)) + " runs it instead"};
+  }
+
   cuda::DevLayer& L = impl->dev;
   L.hidden = static_cast<int32_t>(d.hidden);
   L.num_experts = d.num_experts;
@@ -199,9 +223,21 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> gate = alloc(max_tokens * 4);
   Result<void*> act = alloc(routes * L.act_stride * 4);
   Result<void*> yout = alloc(routes * d.hidden * 4);
-  for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout}) {
+  const int table_size = d.num_experts + (d.has_shared() ? 1 : 0);
+  Result<void*> x_scale = alloc(max_tokens * 4);
+  Result<void*> act_amax = alloc(routes * 4);
+  Result<void*> route_list = alloc(routes * 4);
+  Result<void*> items = alloc(int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16);
+  Result<void*> num_items = alloc(4);
+  for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_scale, &act_amax, &route_list, &items,
+                                 &num_items}) {
     if (!r->ok()) return r->status();
   }
+  impl->ws.x_scale = static_cast<float*>(*x_scale);
+  impl->ws.act_amax = static_cast<uint32_t*>(*act_amax);
+  impl->ws.route_list = static_cast<int32_t*>(*route_list);
+  impl->ws.items = static_cast<int4*>(*items);
+  impl->ws.num_items = static_cast<int32_t*>(*num_items);
   impl->ws.logits = static_cast<float*>(*logits);
   impl->ws.ids = static_cast<int32_t*>(*ids);
   impl->ws.weights = static_cast<float*>(*weights);
@@ -220,11 +256,13 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, s), "moe_route"));
-  switch (impl_->plan.path) {
+  switch (impl_->plan.path_for(n)) {
     case PathKind::kTokenMajor:
       return cuda_status(cuda::launch_moe_token_major(impl_->dev, x, tokens, impl_->ws, out, s), "token-major");
     case PathKind::kPerRow:
       return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
+    case PathKind::kExpertMajor:
+      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, impl_->ws, out, s), "expert-major");
   }
   return internal_error("unknown path");
 }
@@ -270,7 +308,7 @@ class CudaBackend final : public Backend {
     MOEINFER_RETURN_IF_ERROR(moe_->forward(x_, n, out_, nullptr));
     MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(out.data(), out_, bytes, cudaMemcpyDeviceToHost), "copy output"));
     if (info != nullptr) {
-      info->path = path_name(moe_->plan().path);
+      info->path = path_name(moe_->plan().path_for(n));
       info->detail = fmt::format("{:.1f} MiB of weights on the device", static_cast<double>(moe_->weight_bytes()) / (1 << 20));
       info->plan = moe_->plan().explain();
     }

@@ -363,6 +363,14 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
       ws.weights[t * L.top_k + j] = w[j] * L.scaling;
     }
   }
+  // Expert-major's fp16 scaling of this token's x (see DevWorkspace), and its routes' activation
+  // maxima reset for this call.
+  float local_max = 0.0f;
+  for (int c = threadIdx.x; c < L.hidden; c += blockDim.x) local_max = fmaxf(local_max, fabsf(xt[c]));
+  const float x_max = block_argmax(ArgMax{local_max, 0}).value;
+  if (threadIdx.x == 0) ws.x_scale[t] = fp16_range_scale(__float_as_uint(x_max));
+  for (int j = threadIdx.x; j < L.top_k; j += blockDim.x) ws.act_amax[t * L.top_k + j] = 0u;
+  if (L.has_shared && threadIdx.x == 0) ws.act_amax[gridDim.x * L.top_k + t] = 0u;
   if (L.shared_gate && warp == 0) {
     float acc = 0.0f;
     for (int c = lane; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];
@@ -487,14 +495,14 @@ __global__ void moe_down_per_row(DevLayer L, int n, DevWorkspace ws) {
 
 int route_count(const DevLayer& L, int n) { return n * L.top_k + (L.has_shared ? n : 0); }
 
-cudaError_t launch_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
-                         cudaStream_t stream) {
+}  // namespace
+
+cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
+                             cudaStream_t stream) {
   const dim3 grid((L.hidden + 255) / 256, n);
   moe_blend<<<grid, 256, 0, stream>>>(L, x, n, ws, out);
   return cudaGetLastError();
 }
-
-}  // namespace
 
 cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, cudaStream_t stream) {
   const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
@@ -522,7 +530,7 @@ cudaError_t launch_moe_token_major(const DevLayer& L, const float* x, int n, con
   moe_down_token_major<<<down_grid, kTmWarps * kWarp, 0, stream>>>(L, n, ws);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  return launch_blend(L, x, n, ws, out, stream);
+  return launch_moe_blend(L, x, n, ws, out, stream);
 }
 
 cudaError_t launch_moe_per_row(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
@@ -534,7 +542,7 @@ cudaError_t launch_moe_per_row(const DevLayer& L, const float* x, int n, const D
   moe_down_per_row<<<routes, kPerRowThreads, 0, stream>>>(L, n, ws);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  return launch_blend(L, x, n, ws, out, stream);
+  return launch_moe_blend(L, x, n, ws, out, stream);
 }
 
 namespace {
