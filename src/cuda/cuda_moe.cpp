@@ -224,17 +224,17 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> act = alloc(routes * L.act_stride * 4);
   Result<void*> yout = alloc(routes * d.hidden * 4);
   const int table_size = d.num_experts + (d.has_shared() ? 1 : 0);
-  Result<void*> x_scale = alloc(max_tokens * 4);
-  Result<void*> act_amax = alloc(routes * 4);
+  Result<void*> x_bf16 = alloc(max_tokens * d.hidden * 2);
+  Result<void*> act_bf16 = alloc(routes * L.act_stride * 2);
   Result<void*> route_list = alloc(routes * 4);
   Result<void*> items = alloc(int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16);
   Result<void*> num_items = alloc(4);
-  for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_scale, &act_amax, &route_list, &items,
+  for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
                                  &num_items}) {
     if (!r->ok()) return r->status();
   }
-  impl->ws.x_scale = static_cast<float*>(*x_scale);
-  impl->ws.act_amax = static_cast<uint32_t*>(*act_amax);
+  impl->ws.x_bf16 = static_cast<uint16_t*>(*x_bf16);
+  impl->ws.act_bf16 = static_cast<uint16_t*>(*act_bf16);
   impl->ws.route_list = static_cast<int32_t*>(*route_list);
   impl->ws.items = static_cast<int4*>(*items);
   impl->ws.num_items = static_cast<int32_t*>(*num_items);

@@ -12,12 +12,13 @@
 // permutation, which leaves the dot products unchanged. Columns past the last full chunk go
 // through the same code with V = 4 (one MMA step, 2 to 8 byte loads).
 //
-// Numbers. NVFP4 codes become fp16 by moving bits (E2M1 x 2^-14 is exact as fp16, subnormals
-// included), then one fp16 multiply by the block scale x 2^7 (exact: at most 6 significant
-// bits, normal for every normal E4M3 scale); the 2^7 and the global scale are applied to the
-// fp32 result. FP8 converts exactly to fp16 (cvt.e4m3x2); block-128 scales multiply each
-// chunk's fp32 partial, per-channel and per-tensor scales the result. BF16 multiplies bf16.
-// Activations are rounded to fp16 (bf16 for BF16 weights) after a power-of-two range scale.
+// Numbers: bf16 operands, fp32 accumulation. NVFP4 codes become bf16 by moving bits (E2M1 x
+// 2^-126, E2M1's subnormal 0.5 landing on bf16's), then one bf16 multiply by the block scale
+// x 2^119 (exact: at most 6 significant bits); the 2^-7 left over and the global scale are
+// applied to the fp32 result. FP8 converts exactly (E4M3 values are bf16 values); block-128
+// scales multiply each chunk's fp32 partial, per-channel and per-tensor scales the result.
+// Activations (x, and the gate/up activation handed to down) are rounded to bf16, as the
+// reference models compute them.
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
@@ -58,9 +59,9 @@ __device__ __forceinline__ constexpr int k_of(int s, int j, int h) {
   }
 }
 
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 
@@ -70,184 +71,224 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-// Two E4M3 codes (low byte first) as an fp16 pair.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_codes) {
-  uint32_t r;
+// Two E4M3 codes (low byte first) as floats, exactly.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
+  uint32_t h;
   const uint16_t v = static_cast<uint16_t>(two_codes);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
-  return r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }" : "=f"(lo), "=f"(hi) : "r"(h));
+  return make_float2(lo, hi);
 }
 
-// The E2M1 codes in bits 0-3 and 16-19 of t as an fp16 pair, times 2^-14: magnitude bits to the
-// fp16 exponent/mantissa boundary, sign to bit 15.
-__device__ __forceinline__ uint32_t e2m1x2_to_f16x2(uint32_t t) {
-  return ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+// Two E4M3 codes as a bf16 pair (exact: E4M3 values are bf16 values).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes) {
+  const float2 f = e4m3x2_to_float2(two_codes);
+  return pack_bf16(f.x, f.y);
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (kBf16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+// The E2M1 codes in bits 0-3 and 16-19 of t as a bf16 pair times 2^-126: magnitude bits to the
+// exponent/mantissa boundary (E2M1's subnormal 0.5 lands on bf16's), sign to bit 15.
+__device__ __forceinline__ uint32_t e2m1x2_to_bf16x2(uint32_t t) {
+  return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Bytes of weights in a run of V values.
 template <Fmt F, int V>
 constexpr int kRunBytes = F == Fmt::kNvfp4 ? V / 2 : (F == Fmt::kFp8 ? V : 2 * V);
 
-// The raw bytes of one lane-run (streaming loads: each weight byte is read once per call).
-template <Fmt F, int V>
-__device__ __forceinline__ void load_run(const DevMatrix& m, int row, int k, uint32_t (&raw)[4]) {
-  const int64_t index = static_cast<int64_t>(row) * m.cols + k;
-  constexpr int kBytes = kRunBytes<F, V>;
-  const uint8_t* p = m.data + (F == Fmt::kNvfp4 ? index / 2 : (F == Fmt::kFp8 ? index : 2 * index));
-  if constexpr (kBytes == 16) {
+// `kBytes` bytes at p into words (16-byte loads where aligned). Weights stream (read once per
+// call); activations are cached.
+template <int kBytes, bool kStream>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
+  if constexpr (kBytes >= 16) {
     if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
-      raw[0] = v.x, raw[1] = v.y, raw[2] = v.z, raw[3] = v.w;
+#pragma unroll
+      for (int i = 0; i < kBytes / 16; ++i) {
+        const uint4 v = kStream ? __ldcs(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
+        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+      }
     } else {  // NVFP4 rows of K % 32 == 16 columns start 8 bytes off every other row
-      const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p));
-      const uint2 b = __ldcs(reinterpret_cast<const uint2*>(p + 8));
-      raw[0] = a.x, raw[1] = a.y, raw[2] = b.x, raw[3] = b.y;
+#pragma unroll
+      for (int i = 0; i < kBytes / 8; ++i) {
+        const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
+        w[2 * i] = v.x, w[2 * i + 1] = v.y;
+      }
     }
   } else if constexpr (kBytes == 8) {
-    const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p));
-    raw[0] = a.x, raw[1] = a.y, raw[2] = 0u, raw[3] = 0u;
+    const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
   } else if constexpr (kBytes == 4) {
-    raw[0] = __ldcs(reinterpret_cast<const unsigned int*>(p)), raw[1] = raw[2] = raw[3] = 0u;
+    w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
   } else {
-    raw[0] = __ldcs(reinterpret_cast<const unsigned short*>(p)), raw[1] = raw[2] = raw[3] = 0u;
+    w[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
   }
 }
 
-// NVFP4 block scales of a run (1 or 2 blocks of 16) as fp16 pairs (s, s), times 2^7.
+// The registers of one chunk that are loaded ahead of its MMAs: both rows' weight runs of each
+// matrix, the NVFP4 scale codes, the FP8 block scale, and token tile 0's activations.
+template <Fmt F, int V, int kMats>
+struct Chunk {
+  uint32_t raw[kMats][2][4];
+  uint32_t scale_codes[kMats][2];
+  float block_scale[kMats];
+  uint32_t b0[V / 2];
+};
+
+// Where each lane's B column (token tile slot lane / 4) reads its bf16 activations from.
+template <int kTiles>
+struct Columns {
+  const uint16_t* row[kTiles];  // null past the item's routes
+};
+
 template <int V>
-__device__ __forceinline__ void load_run_scales(const DevMatrix& m, int row, int k, uint32_t (&scale)[2]) {
-  const uint8_t* p = m.block_scales + (static_cast<int64_t>(row) * m.cols + k) / 16;
-  const uint32_t codes = V == 32 ? (static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8) : p[0];
-  const uint32_t pair = mul_f16x2(e4m3x2_to_f16x2(codes), 0x58005800u);  // x (128, 128)
-  scale[0] = __byte_perm(pair, 0, 0x1010);  // low half in both halves
-  scale[1] = __byte_perm(pair, 0, 0x3232);  // high half in both halves
+__device__ __forceinline__ void load_b(const uint16_t* row, int k, uint32_t (&w)[V / 2]) {
+  if (row == nullptr) {
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) w[i] = 0u;
+    return;
+  }
+  load_words<2 * V, false>(reinterpret_cast<const uint8_t*>(row + k), w);
 }
 
-// The A register of MMA step s, slot j, for one row's run.
+template <Fmt F, int V, int kMats, int kTiles>
+__device__ __forceinline__ void load_chunk(const DevMatrix* const (&m)[kMats], int row0, int k0,
+                                           const Columns<kTiles>& cols, Chunk<F, V, kMats>& ch) {
+  const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
+  const int k = k0 + c * V;  // this lane's run
+#pragma unroll
+  for (int mi = 0; mi < kMats; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows gid and gid + 8 of the tile
+      const int64_t index = static_cast<int64_t>(row0 + gid + 8 * r) * m[mi]->cols + k;
+      const uint8_t* p = m[mi]->data + (F == Fmt::kNvfp4 ? index / 2 : (F == Fmt::kFp8 ? index : 2 * index));
+      load_words<kRunBytes<F, V>, true>(p, ch.raw[mi][r]);
+      if constexpr (F == Fmt::kNvfp4) {
+        const uint8_t* s = m[mi]->block_scales + index / 16;
+        ch.scale_codes[mi][r] = V == 32 ? (static_cast<uint32_t>(s[0]) | static_cast<uint32_t>(s[1]) << 8) : s[0];
+      }
+    }
+    ch.block_scale[mi] = 1.0f;
+    if constexpr (F == Fmt::kFp8) {
+      // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
+      if (m[mi]->fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128)) {
+        ch.block_scale[mi] = m[mi]->scales[(row0 / 128) * m[mi]->scale_cols + k0 / 128];
+      }
+    }
+  }
+  load_b<V>(cols.row[0], k, ch.b0);
+}
+
+// The A register of MMA step s, slot j, for one row's run; `scale` holds the NVFP4 block scales
+// (x 2^119) as bf16 pairs (s, s).
 template <Fmt F, int V>
 __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint32_t (&scale)[2], int s, int j) {
   if constexpr (F == Fmt::kNvfp4 && V == 32) {
     const int q = s / 2, pair = (s % 2) * 2 + j;
-    return mul_f16x2(e2m1x2_to_f16x2(raw[q] >> (4 * pair)), scale[q / 2]);
+    return mul_bf16x2(e2m1x2_to_bf16x2(raw[q] >> (4 * pair)), scale[q / 2]);
   } else if constexpr (F == Fmt::kNvfp4) {
     const uint32_t spread = (raw[0] & 0xFFu) | ((raw[0] & 0xFF00u) << 8);  // codes 0,1 | codes 2,3 at bit 16
-    return mul_f16x2(e2m1x2_to_f16x2(spread >> (4 * j)), scale[0]);
+    return mul_bf16x2(e2m1x2_to_bf16x2(spread >> (4 * j)), scale[0]);
   } else if constexpr (F == Fmt::kFp8) {
-    return e4m3x2_to_f16x2(raw[s] >> (16 * j));
+    return e4m3x2_to_bf16x2(raw[s] >> (16 * j));
   } else {
     return raw[2 * s + j];
   }
 }
 
-// Where each lane's B column (token tile slot lane / 4) reads its activations from.
-struct Columns {
-  const float* row[kMaxTiles];  // null past the item's routes
-  float scale[kMaxTiles];       // the power-of-two range scale of that row
-};
+// The B register of step s, slot j from V natural-order bf16 values (pairs per word).
+template <Fmt F, int V>
+__device__ __forceinline__ uint32_t b_reg(const uint32_t (&w)[V / 2], int s, int j) {
+  constexpr bool kNatural = F != Fmt::kNvfp4;
+  if constexpr (kNatural) {
+    return w[2 * s + j];
+  } else {
+    const int lo = k_of<F, V>(s, j, 0), hi = k_of<F, V>(s, j, 1);
+    const uint32_t selector = (lo % 2 ? 0x32u : 0x10u) | (hi % 2 ? 0x7600u : 0x5400u);
+    return __byte_perm(w[lo / 2], w[hi / 2], selector);
+  }
+}
 
-// One chunk of 4V input columns starting at k0, for kMats matrices sharing the B operand
-// (gate and up, or down alone), every token tile of the item.
-template <Fmt F, int V, int kMats>
-__device__ __forceinline__ void mma_chunk(const DevMatrix* const (&m)[kMats], int row0, int k0, int tiles,
-                                          const Columns& cols, float (&acc)[kMaxTiles][kMats][4]) {
+// The MMAs of one chunk of 4V input columns starting at k0, for kMats matrices sharing the B
+// operand (gate and up, or down alone), every token tile of the item.
+template <Fmt F, int V, int kMats, int kTiles>
+__device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, int k0, int tiles, const Columns<kTiles>& cols,
+                                          float (&acc)[kTiles][kMats][4]) {
   constexpr int kSteps = V / 4;
-  constexpr bool kBf16 = F == Fmt::kBf16;
-  const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-  const int k = k0 + c * V;  // this lane's run
-
-  uint32_t raw[kMats][2][4];
+  const int c = threadIdx.x % 4;
   uint32_t scale[kMats][2][2] = {};
-  float block_scale[kMats];
+  if constexpr (F == Fmt::kNvfp4) {
 #pragma unroll
-  for (int mi = 0; mi < kMats; ++mi) {
+    for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows gid and gid + 8 of the tile
-      load_run<F, V>(*m[mi], row0 + gid + 8 * r, k, raw[mi][r]);
-      if constexpr (F == Fmt::kNvfp4) load_run_scales<V>(*m[mi], row0 + gid + 8 * r, k, scale[mi][r]);
-    }
-    block_scale[mi] = 1.0f;
-    if constexpr (F == Fmt::kFp8) {
-      // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
-      if (m[mi]->fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128)) {
-        block_scale[mi] = m[mi]->scales[(row0 / 128) * m[mi]->scale_cols + k0 / 128];
+      for (int r = 0; r < 2; ++r) {
+        const float2 s = e4m3x2_to_float2(ch.scale_codes[mi][r]);
+        const uint32_t pair = pack_bf16(s.x * 0x1p119f, s.y * 0x1p119f);  // exact: <= 4 significant bits
+        scale[mi][r][0] = __byte_perm(pair, 0, 0x1010);  // low half in both halves
+        scale[mi][r][1] = __byte_perm(pair, 0, 0x3232);  // high half in both halves
       }
     }
   }
-
 #pragma unroll
-  for (int tile = 0; tile < kMaxTiles; ++tile) {
+  for (int tile = 0; tile < kTiles; ++tile) {
     if (tile >= tiles) break;
-    // B: this lane's V activations, range-scaled, rounded to fp16/bf16 pairs in k_of order.
-    float v[V];
-    if (cols.row[tile] != nullptr) {
-      const float4* src = reinterpret_cast<const float4*>(cols.row[tile] + k);
+    uint32_t w[V / 2];
+    if (tile == 0) {
 #pragma unroll
-      for (int i = 0; i < V / 4; ++i) {
-        const float4 f = __ldg(src + i);
-        v[4 * i] = f.x * cols.scale[tile], v[4 * i + 1] = f.y * cols.scale[tile];
-        v[4 * i + 2] = f.z * cols.scale[tile], v[4 * i + 3] = f.w * cols.scale[tile];
-      }
+      for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
     } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = 0.0f;
-    }
-    uint32_t b[kSteps][2];
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float lo = v[k_of<F, V>(s, j, 0)], hi = v[k_of<F, V>(s, j, 1)];
-        b[s][j] = kBf16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
-      }
+      load_b<V>(cols.row[tile], k0 + c * V, w);
     }
 #pragma unroll
     for (int mi = 0; mi < kMats; ++mi) {
       float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const uint32_t a[4] = {decode<F, V>(raw[mi][0], scale[mi][0], s, 0), decode<F, V>(raw[mi][1], scale[mi][1], s, 0),
-                               decode<F, V>(raw[mi][0], scale[mi][0], s, 1), decode<F, V>(raw[mi][1], scale[mi][1], s, 1)};
-        mma_16816<kBf16>(part, a, b[s][0], b[s][1]);
+        const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
+                               decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
+        mma_bf16_16816(part, a, b_reg<F, V>(w, s, 0), b_reg<F, V>(w, s, 1));
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[tile][mi][i] += block_scale[mi] * part[i];
+      for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
     }
   }
 }
 
-// This warp's share of the K loop: full chunks w, w+4, ..., then the 16-column tail steps.
-template <Fmt F, int kMats>
-__device__ void mma_rows(const DevMatrix* const (&m)[kMats], int row0, int tiles, const Columns& cols,
-                         float (&acc)[kMaxTiles][kMats][4]) {
+// This warp's share of the K loop: full chunks w, w+4, ..., each loaded one iteration ahead of
+// its MMAs (two chunks of loads in flight per warp), then the 16-column tail steps.
+template <Fmt F, int kMats, int kTiles>
+__device__ void mma_rows(const DevMatrix* const (&m)[kMats], int row0, int tiles, const Columns<kTiles>& cols,
+                         float (&acc)[kTiles][kMats][4]) {
   constexpr int V = kMainRun<F>;
   const int warp = threadIdx.x / kWarp;
   const int K = m[0]->cols;
   const int chunks = K / (4 * V);
-  for (int ch = warp; ch < chunks; ch += kWarps) mma_chunk<F, V, kMats>(m, row0, ch * 4 * V, tiles, cols, acc);
+  int chunk = warp;
+  if (chunk < chunks) {
+    Chunk<F, V, kMats> cur;
+    load_chunk<F, V, kMats, kTiles>(m, row0, chunk * 4 * V, cols, cur);
+    for (; chunk < chunks; chunk += kWarps) {
+      Chunk<F, V, kMats> next;
+      const bool more = chunk + kWarps < chunks;
+      if (more) load_chunk<F, V, kMats, kTiles>(m, row0, (chunk + kWarps) * 4 * V, cols, next);
+      mma_chunk<F, V, kMats, kTiles>(cur, chunk * 4 * V, tiles, cols, acc);
+      if (more) cur = next;
+    }
+  }
   const int tail0 = chunks * 4 * V;
   const int tail_steps = (K - tail0) / 16;
-  for (int s = warp; s < tail_steps; s += kWarps) mma_chunk<F, 4, kMats>(m, row0, tail0 + 16 * s, tiles, cols, acc);
+  for (int s = warp; s < tail_steps; s += kWarps) {
+    Chunk<F, 4, kMats> tail;
+    load_chunk<F, 4, kMats, kTiles>(m, row0, tail0 + 16 * s, cols, tail);
+    mma_chunk<F, 4, kMats, kTiles>(tail, tail0 + 16 * s, tiles, cols, acc);
+  }
 }
 
 // What turns the MMA sum of row r into the true dot product (scales not applied in the loop).
@@ -280,12 +321,12 @@ __device__ __forceinline__ float activation(const DevLayer& L, float g, float u)
 
 // Grid: (row tiles of the widest matrix, max work items). Block: 4 warps splitting K; the
 // partial sums meet in shared memory, and warp t finishes token tile t.
-// kGateUp: gate and up of the item's routes -> activation (fp32) and its per-route maximum.
-// Otherwise: down of the activations -> expert_out.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, const float* x, int n, DevWorkspace ws) {
+// kGateUp: gate and up of the item's routes -> activation (bf16). Otherwise: down of the
+// activations -> expert_out (fp32).
+template <bool kGateUp, int kTiles>
+__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, int n, DevWorkspace ws) {
   constexpr int kMats = kGateUp ? 2 : 1;
-  __shared__ float partial[kWarps][kMaxTiles][kMats * 4][kWarp];
+  __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
   if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
   const int4 item = ws.items[blockIdx.y];  // {expert, first, count, -}
   const DevExpert& ex = L.experts[item.x];
@@ -300,34 +341,27 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, c
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
   const int tiles = (item.z + kTile - 1) / kTile;
 
-  Columns cols;
+  Columns<kTiles> cols;
 #pragma unroll
-  for (int tile = 0; tile < kMaxTiles; ++tile) {
+  for (int tile = 0; tile < kTiles; ++tile) {
     const int slot = tile * kTile + gid;
     cols.row[tile] = nullptr;
-    cols.scale[tile] = 0.0f;
     if (slot < item.z) {
       const int route = ws.route_list[item.y + slot];
-      if constexpr (kGateUp) {
-        const int t = route_token(L, n, route);
-        cols.row[tile] = x + static_cast<int64_t>(t) * L.hidden;
-        cols.scale[tile] = ws.x_scale[t];
-      } else {
-        cols.row[tile] = ws.act + static_cast<int64_t>(route) * L.act_stride;
-        cols.scale[tile] = fp16_range_scale(ws.act_amax[route]);
-      }
+      cols.row[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                               : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
     }
   }
 
-  float acc[kMaxTiles][kMats][4] = {};
+  float acc[kTiles][kMats][4] = {};
   switch (mats[0]->format) {
-    case static_cast<uint8_t>(WeightFormat::kNVFP4): mma_rows<Fmt::kNvfp4, kMats>(mats, row0, tiles, cols, acc); break;
-    case static_cast<uint8_t>(WeightFormat::kFP8): mma_rows<Fmt::kFp8, kMats>(mats, row0, tiles, cols, acc); break;
-    default: mma_rows<Fmt::kBf16, kMats>(mats, row0, tiles, cols, acc); break;
+    case static_cast<uint8_t>(WeightFormat::kNVFP4): mma_rows<Fmt::kNvfp4, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
+    case static_cast<uint8_t>(WeightFormat::kFP8): mma_rows<Fmt::kFp8, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
   }
 
 #pragma unroll
-  for (int tile = 0; tile < kMaxTiles; ++tile) {
+  for (int tile = 0; tile < kTiles; ++tile) {
 #pragma unroll
     for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
@@ -346,50 +380,23 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, c
   }
 
   // Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
-  int route[2];
-  float in_scale[2], b_scale[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int slot = tile * kTile + 2 * c + h;
-    route[h] = slot < item.z ? ws.route_list[item.y + slot] : -1;
-    in_scale[h] = 1.0f;
-    b_scale[h] = 1.0f;
-    if (route[h] >= 0) {
-      if constexpr (kGateUp) {
-        b_scale[h] = ws.x_scale[route_token(L, n, route[h])];
-        if (L.weight_on_input && route[h] < n * L.top_k) in_scale[h] = ws.weights[route[h]];
-      } else {
-        b_scale[h] = fp16_range_scale(ws.act_amax[route[h]]);
-      }
-    }
-  }
-  float largest[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int row = row0 + gid + 8 * (i / 2), h = i % 2;
-    if (route[h] < 0) continue;
-    const float undo = in_scale[h] / b_scale[h];
+    const int row = row0 + gid + 8 * (i / 2), slot = tile * kTile + 2 * c + i % 2;
+    if (slot >= item.z) continue;
+    const int route = ws.route_list[item.y + slot];
     if constexpr (kGateUp) {
-      float g = sum[i] * output_multiplier(ex.gate, row) * undo;
-      float u = sum[4 + i] * output_multiplier(ex.up, row) * undo;
+      const float in_scale = (L.weight_on_input && route < n * L.top_k) ? ws.weights[route] : 1.0f;
+      float g = sum[i] * output_multiplier(ex.gate, row) * in_scale;
+      float u = sum[4 + i] * output_multiplier(ex.up, row) * in_scale;
       if (ex.gate.bias != nullptr) g += ex.gate.bias[row];
       if (ex.up.bias != nullptr) u += ex.up.bias[row];
-      const float a = activation(L, g, u);
-      ws.act[static_cast<int64_t>(route[h]) * L.act_stride + row] = a;
-      largest[h] = fmaxf(largest[h], fabsf(a));
+      ws.act_bf16[static_cast<int64_t>(route) * L.act_stride + row] =
+          __bfloat16_as_ushort(__float2bfloat16_rn(activation(L, g, u)));
     } else {
-      float y = sum[i] * output_multiplier(ex.down, row) * undo;
+      float y = sum[i] * output_multiplier(ex.down, row);
       if (ex.down.bias != nullptr) y += ex.down.bias[row];
-      ws.expert_out[static_cast<int64_t>(route[h]) * L.hidden + row] = y;
-    }
-  }
-  if constexpr (kGateUp) {
-    // Per route, the largest |activation| over this block's 16 rows, then over all blocks.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int o = 4; o < kWarp; o *= 2) largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xFFFFFFFFu, largest[h], o));
-      if (gid == 0 && route[h] >= 0) atomicMax(ws.act_amax + route[h], __float_as_uint(largest[h]));
+      ws.expert_out[static_cast<int64_t>(route) * L.hidden + row] = y;
     }
   }
 }
@@ -405,7 +412,7 @@ __device__ __forceinline__ int route_expert_index(const DevLayer& L, const DevWo
 // Grid: 1 block. Counts routes per expert, scans the counts, writes the work items (up to 32
 // routes of one expert each) and the routes grouped by expert. Order within an expert does not
 // matter: each route's output column is computed on its own.
-__global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, DevWorkspace ws) {
+__global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
   using Scan = cub::BlockScan<int, kGroupThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   extern __shared__ int counts[];  // [experts], then the write cursors
@@ -426,7 +433,7 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
   int my_routes = 0, my_items = 0;
   for (int e = first; e < first + per && e < experts; ++e) {
     my_routes += counts[e];
-    my_items += (counts[e] + kExpertMajorGroup - 1) / kExpertMajorGroup;
+    my_items += (counts[e] + group - 1) / group;
   }
   int route_base = 0, item_base = 0;
   Scan(scan_storage).ExclusiveSum(my_routes, route_base);
@@ -435,8 +442,8 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
   if (threadIdx.x == kGroupThreads - 1) *ws.num_items = item_base + my_items;
   for (int e = first; e < first + per && e < experts; ++e) {
     cursor[e] = route_base;
-    for (int start = 0; start < counts[e]; start += kExpertMajorGroup) {
-      const int count = counts[e] - start < kExpertMajorGroup ? counts[e] - start : kExpertMajorGroup;
+    for (int start = 0; start < counts[e]; start += group) {
+      const int count = counts[e] - start < group ? counts[e] - start : group;
       ws.items[item_base++] = make_int4(e, route_base + start, count, 0);
     }
     route_base += counts[e];
@@ -450,22 +457,38 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 
 }  // namespace
 
+namespace {
+
+template <int kTiles>
+cudaError_t launch_gemms(const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
+  const dim3 gate_up_grid((L.act_stride + kRows - 1) / kRows, max_items);
+  moe_expert_major<true, kTiles><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 down_grid((L.hidden + kRows - 1) / kRows, max_items);
+  moe_expert_major<false, kTiles><<<down_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                                     cudaStream_t stream) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  const int max_items = expert_major_max_items(routes, experts);
+  // An expert gets at most n routes (top-k picks distinct experts), so small calls need only
+  // one or two token tiles per block, and fewer accumulators mean more blocks per SM.
+  const int group = n <= kTile ? kTile : (n <= 2 * kTile ? 2 * kTile : kExpertMajorGroup);
+  const int max_items = expert_major_max_items(routes, experts, group);
   const size_t group_smem = 2 * static_cast<size_t>(experts) * sizeof(int);
-  moe_group_routes<<<1, kGroupThreads, group_smem, stream>>>(L, n, ws);
+  moe_group_routes<<<1, kGroupThreads, group_smem, stream>>>(L, n, group, ws);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const dim3 gate_up_grid((L.act_stride + kRows - 1) / kRows, max_items);
-  moe_expert_major<true><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, x, n, ws);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const dim3 down_grid((L.hidden + kRows - 1) / kRows, max_items);
-  moe_expert_major<false><<<down_grid, kWarps * kWarp, 0, stream>>>(L, x, n, ws);
-  err = cudaGetLastError();
+  switch (group / kTile) {
+    case 1: err = launch_gemms<1>(L, n, ws, max_items, stream); break;
+    case 2: err = launch_gemms<2>(L, n, ws, max_items, stream); break;
+    default: err = launch_gemms<kMaxTiles>(L, n, ws, max_items, stream); break;
+  }
   if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
 }

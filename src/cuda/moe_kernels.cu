@@ -1,5 +1,6 @@
 // Kernels of the CUDA paths: the router + selection kernel both paths share, the three
 // token-major kernels, and the per-row fallback's expert kernels.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -363,14 +364,10 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
       ws.weights[t * L.top_k + j] = w[j] * L.scaling;
     }
   }
-  // Expert-major's fp16 scaling of this token's x (see DevWorkspace), and its routes' activation
-  // maxima reset for this call.
-  float local_max = 0.0f;
-  for (int c = threadIdx.x; c < L.hidden; c += blockDim.x) local_max = fmaxf(local_max, fabsf(xt[c]));
-  const float x_max = block_argmax(ArgMax{local_max, 0}).value;
-  if (threadIdx.x == 0) ws.x_scale[t] = fp16_range_scale(__float_as_uint(x_max));
-  for (int j = threadIdx.x; j < L.top_k; j += blockDim.x) ws.act_amax[t * L.top_k + j] = 0u;
-  if (L.has_shared && threadIdx.x == 0) ws.act_amax[gridDim.x * L.top_k + t] = 0u;
+  // Expert-major's bf16 copy of this token.
+  for (int c = threadIdx.x; c < L.hidden; c += blockDim.x) {
+    ws.x_bf16[static_cast<int64_t>(t) * L.hidden + c] = __bfloat16_as_ushort(__float2bfloat16_rn(xt[c]));
+  }
   if (L.shared_gate && warp == 0) {
     float acc = 0.0f;
     for (int c = lane; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];

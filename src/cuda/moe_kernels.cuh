@@ -64,36 +64,22 @@ struct DevWorkspace {
   float* shared_gate = nullptr;  // [max_tokens]
   float* act = nullptr;          // [routes, act_stride]
   float* expert_out = nullptr;   // [routes, H]
-  // Expert-major only. Tensor-core operands are fp16: each token's x, and each route's
-  // activation, is multiplied by a power of two that brings its largest magnitude to
-  // [2^14, 2^15) (exact, undone in fp32 after the MMA), so fp16 neither overflows nor loses
-  // relative precision on the large entries.
-  float* x_scale = nullptr;      // [max_tokens], written by the route kernel
-  uint32_t* act_amax = nullptr;  // [routes] max |act| as float bits; zeroed by the route kernel
+  // Expert-major only: the tensor cores' bf16 operands (bf16 keeps fp32's range, so nothing
+  // needs scaling), and the routes grouped by expert.
+  uint16_t* x_bf16 = nullptr;    // [max_tokens, H], written by the route kernel
+  uint16_t* act_bf16 = nullptr;  // [routes, act_stride]
   int32_t* route_list = nullptr; // [routes] route indices grouped by expert
   int4* items = nullptr;         // [max_items] {expert, first index in route_list, routes, 0}
   int32_t* num_items = nullptr;  // [1]
 };
 
-#ifdef __CUDACC__
-// The power of two that brings a largest magnitude (given as float bits, non-negative) to
-// [2^14, 2^15): 2^(14 - exponent), clamped to normal floats; 1 for zero.
-__device__ __forceinline__ float fp16_range_scale(uint32_t max_bits) {
-  const int biased = static_cast<int>(max_bits >> 23);
-  if (biased == 0) return max_bits == 0 ? 1.0f : 0x1p126f;
-  int k = 141 - biased;  // 14 - (biased - 127)
-  k = k < -126 ? -126 : (k > 126 ? 126 : k);
-  return __int_as_float((k + 127) << 23);
-}
-#endif
-
-// Routes per expert-major work item: up to 4 token tiles of 8 MMA columns.
+// Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
 inline constexpr int kExpertMajorGroup = 32;
 
-// Work items the expert-major grid is sized for: every item holds 1 to 32 routes of one expert,
-// so there are at most routes of them, and at most one per expert plus one per 32 routes.
-inline int expert_major_max_items(int routes, int experts) {
-  const int bound = routes / kExpertMajorGroup + 1 + (experts < routes ? experts : routes);
+// Work items the expert-major grid is sized for when items hold up to `group` routes of one
+// expert: at most one per `group` routes plus one per expert, and at most one per route.
+inline int expert_major_max_items(int routes, int experts, int group = 8) {
+  const int bound = routes / group + 1 + (experts < routes ? experts : routes);
   return bound < routes ? bound : routes;
 }
 
