@@ -255,8 +255,10 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   if (x == nullptr || out == nullptr) return invalid_argument("forward: null input or output pointer");
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
-  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, s), "moe_route"));
-  switch (impl_->plan.path_for(n)) {
+  const PathKind path = impl_->plan.path_for(n);
+  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(tokens) : 0;
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
+  switch (path) {
     case PathKind::kTokenMajor:
       return cuda_status(cuda::launch_moe_token_major(impl_->dev, x, tokens, impl_->ws, out, s), "token-major");
     case PathKind::kPerRow:

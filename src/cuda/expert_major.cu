@@ -19,7 +19,7 @@
 // scales multiply each chunk's fp32 partial, per-channel and per-tensor scales the result.
 // Activations (x, and the gate/up activation handed to down) are rounded to bf16, as the
 // reference models compute them.
-#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,7 +37,6 @@ constexpr int kWarps = 4;                             // split-K: warp w takes c
 constexpr int kRows = 16;                             // output rows per block (one MMA M)
 constexpr int kTile = 8;                              // routes per MMA (N)
 constexpr int kMaxTiles = kExpertMajorGroup / kTile;  // token tiles per block
-constexpr int kGroupThreads = 1024;
 
 enum class Fmt { kNvfp4, kFp8, kBf16 };
 
@@ -308,17 +307,6 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
   return route < routed ? route / L.top_k : route - routed;
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + __expf(-v)); }
-
-__device__ __forceinline__ float activation(const DevLayer& L, float g, float u) {
-  if (L.activation == static_cast<uint8_t>(Activation::kGptOssClamped)) {
-    g = fminf(g, L.swiglu_limit);
-    u = fminf(fmaxf(u, -L.swiglu_limit), L.swiglu_limit);
-    return (u + 1.0f) * g * sigmoid(L.swiglu_alpha * g);
-  }
-  return g * sigmoid(g) * u;
-}
-
 // Grid: (row tiles of the widest matrix, max work items). Block: 4 warps splitting K; the
 // partial sums meet in shared memory, and warp t finishes token tile t.
 // kGateUp: gate and up of the item's routes -> activation (bf16). Otherwise: down of the
@@ -392,66 +380,12 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, i
       if (ex.gate.bias != nullptr) g += ex.gate.bias[row];
       if (ex.up.bias != nullptr) u += ex.up.bias[row];
       ws.act_bf16[static_cast<int64_t>(route) * L.act_stride + row] =
-          __bfloat16_as_ushort(__float2bfloat16_rn(activation(L, g, u)));
+          __bfloat16_as_ushort(__float2bfloat16_rn(activate(L, g, u)));
     } else {
       float y = sum[i] * output_multiplier(ex.down, row);
       if (ex.down.bias != nullptr) y += ex.down.bias[row];
       ws.expert_out[static_cast<int64_t>(route) * L.hidden + row] = y;
     }
-  }
-}
-
-// The expert (table index) a route runs on, or -1 for a zero-computation expert.
-__device__ __forceinline__ int route_expert_index(const DevLayer& L, const DevWorkspace& ws, int n, int route) {
-  const int routed = n * L.top_k;
-  if (route >= routed) return L.num_experts;  // the shared expert
-  const int id = ws.ids[route];
-  return id < L.num_experts ? id : -1;
-}
-
-// Grid: 1 block. Counts routes per expert, scans the counts, writes the work items (up to 32
-// routes of one expert each) and the routes grouped by expert. Order within an expert does not
-// matter: each route's output column is computed on its own.
-__global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
-  using Scan = cub::BlockScan<int, kGroupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  extern __shared__ int counts[];  // [experts], then the write cursors
-  const int experts = L.num_experts + (L.has_shared ? 1 : 0);
-  int* cursor = counts + experts;
-  const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-  for (int r = threadIdx.x; r < routes; r += blockDim.x) {
-    const int e = route_expert_index(L, ws, n, r);
-    if (e >= 0) atomicAdd(counts + e, 1);
-  }
-  __syncthreads();
-
-  // Thread i owns experts [i * per, (i + 1) * per).
-  const int per = (experts + kGroupThreads - 1) / kGroupThreads;
-  const int first = threadIdx.x * per;
-  int my_routes = 0, my_items = 0;
-  for (int e = first; e < first + per && e < experts; ++e) {
-    my_routes += counts[e];
-    my_items += (counts[e] + group - 1) / group;
-  }
-  int route_base = 0, item_base = 0;
-  Scan(scan_storage).ExclusiveSum(my_routes, route_base);
-  __syncthreads();
-  Scan(scan_storage).ExclusiveSum(my_items, item_base);
-  if (threadIdx.x == kGroupThreads - 1) *ws.num_items = item_base + my_items;
-  for (int e = first; e < first + per && e < experts; ++e) {
-    cursor[e] = route_base;
-    for (int start = 0; start < counts[e]; start += group) {
-      const int count = counts[e] - start < group ? counts[e] - start : group;
-      ws.items[item_base++] = make_int4(e, route_base + start, count, 0);
-    }
-    route_base += counts[e];
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < routes; r += blockDim.x) {
-    const int e = route_expert_index(L, ws, n, r);
-    if (e >= 0) ws.route_list[atomicAdd(cursor + e, 1)] = r;
   }
 }
 
@@ -476,14 +410,9 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
                                     cudaStream_t stream) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  // An expert gets at most n routes (top-k picks distinct experts), so small calls need only
-  // one or two token tiles per block, and fewer accumulators mean more blocks per SM.
-  const int group = n <= kTile ? kTile : (n <= 2 * kTile ? 2 * kTile : kExpertMajorGroup);
+  const int group = expert_major_group(n);
   const int max_items = expert_major_max_items(routes, experts, group);
-  const size_t group_smem = 2 * static_cast<size_t>(experts) * sizeof(int);
-  moe_group_routes<<<1, kGroupThreads, group_smem, stream>>>(L, n, group, ws);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  cudaError_t err;
   switch (group / kTile) {
     case 1: err = launch_gemms<1>(L, n, ws, max_items, stream); break;
     case 2: err = launch_gemms<2>(L, n, ws, max_items, stream); break;

@@ -4,8 +4,10 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cub/block/block_scan.cuh>
 
 #include "cuda/moe_kernels.cuh"
 #include "moeinfer/format.h"
@@ -153,17 +155,6 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
   return warp_sum(acc) * x_scale;
 }
 
-__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
-
-__device__ __forceinline__ float activate(const DevLayer& L, float g, float u) {
-  if (L.activation == static_cast<uint8_t>(Activation::kGptOssClamped)) {
-    g = fminf(g, L.swiglu_limit);
-    u = fminf(fmaxf(u, -L.swiglu_limit), L.swiglu_limit);
-    return (u + 1.0f) * g * sigmoidf(L.swiglu_alpha * g);
-  }
-  return g * sigmoidf(g) * u;
-}
-
 // Route -> (token, expert, input scale); false for zero-computation experts, which have no
 // expert work (the blend adds w * x for them).
 __device__ __forceinline__ bool route_expert(const DevLayer& L, const DevWorkspace& ws, int n, int route, int* token,
@@ -236,17 +227,260 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// Grid: (ceil((E + Z) / 8), n). Block: 8 warps, one router row each: the router is read by
-// every SM at once rather than by one block per token.
+// Grid: (ceil((E + Z) / 8), ceil(n / 8)). Block: 8 warps, one router row each, for 8 tokens at
+// once: the router is read once per 8 tokens, by every SM at once.
 constexpr int kRouterWarps = 8;
-__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, DevWorkspace ws) {
-  const int t = blockIdx.y;
+constexpr int kRouterTokens = 8;
+__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
+                                                                          DevWorkspace ws) {
   const int e = blockIdx.x * kRouterWarps + threadIdx.x / kWarp;
   if (e >= L.router_outputs) return;
-  const float dot = warp_dot(L.router, e, x + static_cast<int64_t>(t) * L.hidden, 1.0f);
-  if (threadIdx.x % kWarp == 0) {
-    ws.logits[static_cast<int64_t>(t) * L.router_outputs + e] = dot + (L.router.bias != nullptr ? L.router.bias[e] : 0.0f);
+  const int lane = threadIdx.x % kWarp;
+  const int t0 = blockIdx.y * kRouterTokens;
+  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int64_t H = L.hidden;
+  float acc[kRouterTokens] = {};
+  if (L.router.cols % 8 == 0) {
+#pragma unroll 4
+    for (int c = lane * 8; c < L.hidden; c += kWarp * 8) {
+      float w[8];
+      load_weights8(L.router, e, c, w);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < tokens) acc[j] += dot8(w, x + (t0 + j) * H + c);
+      }
+    }
+  } else {
+    for (int c = lane; c < L.hidden; c += kWarp) {
+      const float w = load_weight(L.router, e, c);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < tokens) acc[j] += w * x[(t0 + j) * H + c];
+      }
+    }
   }
+  const float bias = L.router.bias != nullptr ? L.router.bias[e] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRouterTokens; ++j) {
+    const float dot = warp_sum(acc[j]);
+    if (lane == 0 && j < tokens) ws.logits[static_cast<int64_t>(t0 + j) * L.router_outputs + e] = dot + bias;
+  }
+}
+
+// Per token, what both route kernels do besides the selection: expert-major's bf16 copy of x
+// and the shared expert's sigmoid gate. `threads` threads from `first` share the work.
+__device__ void token_extras(const DevLayer& L, const float* xt, int t, const DevWorkspace& ws, int first, int threads) {
+  const int i = threadIdx.x - first;
+  for (int c = i; c < L.hidden; c += threads) {
+    ws.x_bf16[static_cast<int64_t>(t) * L.hidden + c] = __bfloat16_as_ushort(__float2bfloat16_rn(xt[c]));
+  }
+  if (L.shared_gate && i < kWarp) {
+    float acc = 0.0f;
+    for (int c = i; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];
+    acc = warp_sum(acc);
+    if (i == 0) ws.shared_gate[t] = sigmoidf(acc);
+  }
+}
+
+// The chosen experts' weights from their scores, by the layer's weight function, then
+// renormalised and scaled: lanes j < k of a warp hold choice j.
+__device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool mine) {
+  if (L.weight == static_cast<uint8_t>(WeightFunc::kSoftmaxOfSelected)) {
+    float m = mine ? w : -INFINITY;
+    for (int o = kWarp / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    w = mine ? expf(w - m) : 0.0f;
+    w /= warp_sum(w);
+  } else if (L.weight == static_cast<uint8_t>(WeightFunc::kSigmoidOfSelected)) {
+    w = 1.0f / (1.0f + expf(-w));
+  }
+  if (L.renormalize) w /= warp_sum(mine ? w : 0.0f) + L.renorm_epsilon;
+  return w * L.scaling;
+}
+
+// The selection of DESIGN.md section 2 for token t by one warp, lane l holding experts
+// l, l + 32, ... (kPerLane of them) in registers; `keys` is this warp's shared scratch of
+// E + Z floats, used only for group-limited routing.
+template <int kPerLane>
+__device__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys) {
+  const int lane = threadIdx.x % kWarp, outputs = L.router_outputs;
+  float score[kPerLane], key[kPerLane];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + kWarp * i;
+    score[i] = e < outputs ? ws.logits[static_cast<int64_t>(t) * outputs + e] : -INFINITY;
+    max_logit = fmaxf(max_logit, score[i]);
+  }
+  for (int o = kWarp / 2; o > 0; o /= 2) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xFFFFFFFFu, max_logit, o));
+  // Scores, in fp32 as the reference blocks compute them.
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + kWarp * i;
+    if (e >= outputs) continue;
+    if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) score[i] = expf(score[i] - max_logit);
+    if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) score[i] = 1.0f / (1.0f + expf(-score[i]));
+    sum += score[i];
+  }
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) score[i] /= sum;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + kWarp * i;
+    key[i] = e < outputs ? score[i] + (L.correction_bias ? L.correction_bias_values[e] : 0.0f) : -INFINITY;
+  }
+
+  // Group-limited selection: a group scores the sum of its two best keys; experts outside the
+  // topk_group best groups get key -inf. Lane g scores group g (n_group <= 32 here).
+  if (L.n_group > 1) {
+    const int group_size = L.num_experts / L.n_group;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + kWarp * i;
+      if (e < outputs) keys[e] = key[i];
+    }
+    __syncwarp();
+    ArgMax group{-INFINITY, INT_MAX};
+    if (lane < L.n_group) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int i = 0; i < group_size; ++i) {
+        const float v = keys[lane * group_size + i];
+        if (v > first) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      group = ArgMax{first + second, lane};
+    }
+    __syncwarp();
+    uint32_t kept = 0;
+    for (int j = 0; j < L.topk_group; ++j) {
+      const ArgMax best = warp_argmax(group);
+      if (best.index >= 0 && best.index < kWarp) kept |= 1u << best.index;
+      if (lane == best.index) group.value = -INFINITY, group.index = INT_MAX;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + kWarp * i;
+      if (e < L.num_experts && !((kept >> (e / group_size)) & 1u)) key[i] = -INFINITY;
+    }
+  }
+
+  // Top-k: k rounds of a warp argmax; lane j keeps choice j and its unbiased score.
+  int my_id = 0;
+  float my_score = 0.0f;
+  for (int j = 0; j < L.top_k; ++j) {
+    ArgMax local{-INFINITY, INT_MAX};
+    float local_score = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const ArgMax candidate{key[i], lane + kWarp * i};
+      if (better(local, candidate).index != local.index) {
+        local = candidate;
+        local_score = score[i];
+      }
+    }
+    const ArgMax best = warp_argmax(local);
+    // Only NaN keys (from a NaN input) leave no candidate; stay in range regardless.
+    const int id = (best.index >= 0 && best.index < outputs) ? best.index : 0;
+    const float chosen_score = __shfl_sync(0xFFFFFFFFu, local_score, id % kWarp);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (lane + kWarp * i == id) key[i] = -INFINITY;
+    }
+    if (lane == j) my_id = id, my_score = chosen_score;
+  }
+  const bool mine = lane < L.top_k;
+  const float w = chosen_weight(L, my_score, mine);
+  if (mine) {
+    ws.ids[t * L.top_k + lane] = my_id;
+    ws.weights[t * L.top_k + lane] = w;
+  }
+}
+
+// The expert (table index) a route runs on, or -1 for a zero-computation expert.
+__device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route) {
+  const int routed = n * L.top_k;
+  if (route >= routed) return L.num_experts;  // the shared expert
+  const int id = ws.ids[route];
+  return id < L.num_experts ? id : -1;
+}
+
+// By a whole block of kThreads: counts routes per expert, scans the counts, writes the work
+// items (up to `group` routes of one expert each) and the routes grouped by expert. Order
+// within an expert does not matter: each route's output column is computed on its own.
+// `counts` is shared memory for 2 x (E + shared) ints.
+template <int kThreads>
+__device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int experts = L.num_experts + (L.has_shared ? 1 : 0);
+  int* cursor = counts + experts;
+  const int routes = n * L.top_k + (L.has_shared ? n : 0);
+  for (int e = threadIdx.x; e < experts; e += kThreads) counts[e] = 0;
+  __syncthreads();
+  for (int r = threadIdx.x; r < routes; r += kThreads) {
+    const int e = route_table_index(L, ws, n, r);
+    if (e >= 0) atomicAdd(counts + e, 1);
+  }
+  __syncthreads();
+
+  // Thread i owns experts [i * per, (i + 1) * per).
+  const int per = (experts + kThreads - 1) / kThreads;
+  const int first = threadIdx.x * per;
+  int my_routes = 0, my_items = 0;
+  for (int e = first; e < first + per && e < experts; ++e) {
+    my_routes += counts[e];
+    my_items += (counts[e] + group - 1) / group;
+  }
+  int route_base = 0, item_base = 0;
+  Scan(scan_storage).ExclusiveSum(my_routes, route_base);
+  __syncthreads();
+  Scan(scan_storage).ExclusiveSum(my_items, item_base);
+  if (threadIdx.x == kThreads - 1) *ws.num_items = item_base + my_items;
+  for (int e = first; e < first + per && e < experts; ++e) {
+    cursor[e] = route_base;
+    for (int start = 0; start < counts[e]; start += group) {
+      const int count = counts[e] - start < group ? counts[e] - start : group;
+      ws.items[item_base++] = make_int4(e, route_base + start, count, 0);
+    }
+    route_base += counts[e];
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < routes; r += kThreads) {
+    const int e = route_table_index(L, ws, n, r);
+    if (e >= 0) ws.route_list[atomicAdd(cursor + e, 1)] = r;
+  }
+}
+
+// Grid: 1 block. The grouping alone, after the block-per-token route kernel.
+constexpr int kGroupThreads = 1024;
+__global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
+  extern __shared__ int counts[];
+  group_routes<kGroupThreads>(L, n, group, ws, counts);
+}
+
+// Grid: 1 block of 16 warps; warp w routes tokens w, w + 16, ..., then (group > 0) the whole
+// block groups the routes. One launch, no block-wide barrier inside a token's selection.
+constexpr int kRouteWarps = 16;
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer L, const float* x, int n, int group,
+                                                                       DevWorkspace ws) {
+  extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
+  const int warp = threadIdx.x / kWarp;
+  float* keys = route_smem + warp * L.router_outputs;
+  for (int t = warp; t < n; t += kRouteWarps) {
+    route_token_warp<kPerLane>(L, t, ws, keys);
+    token_extras(L, x + static_cast<int64_t>(t) * L.hidden, t, ws, warp * kWarp, kWarp);
+  }
+  if (group == 0) return;
+  __syncthreads();
+  group_routes<kRouteWarps * kWarp>(L, n, group, ws, reinterpret_cast<int*>(route_smem));
 }
 
 // Grid: one block per token. Block: 256 threads running the selection of DESIGN.md section 2
@@ -364,16 +598,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
       ws.weights[t * L.top_k + j] = w[j] * L.scaling;
     }
   }
-  // Expert-major's bf16 copy of this token.
-  for (int c = threadIdx.x; c < L.hidden; c += blockDim.x) {
-    ws.x_bf16[static_cast<int64_t>(t) * L.hidden + c] = __bfloat16_as_ushort(__float2bfloat16_rn(xt[c]));
-  }
-  if (L.shared_gate && warp == 0) {
-    float acc = 0.0f;
-    for (int c = lane; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];
-    acc = warp_sum(acc);
-    if (lane == 0) ws.shared_gate[t] = sigmoidf(acc);
-  }
+  token_extras(L, xt, t, ws, 0, blockDim.x);
 }
 
 // ---- token-major -------------------------------------------------------------------------------
@@ -501,18 +726,51 @@ cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const Dev
   return cudaGetLastError();
 }
 
-cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, cudaStream_t stream) {
-  const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
+namespace {
+
+// Shared memory above the default 48 KB needs the kernel's consent first.
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <int kPerLane>
+cudaError_t launch_route_warps(const DevLayer& L, const float* x, int n, int group, const DevWorkspace& ws,
+                               cudaStream_t stream) {
+  const size_t experts = static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0);
+  const size_t keys = L.n_group > 1 ? kRouteWarps * static_cast<size_t>(L.router_outputs) * sizeof(float) : 0;
+  const size_t smem = std::max(keys, 2 * experts * sizeof(int));
+  const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
+  if (err != cudaSuccess) return err;
+  moe_route_warps<kPerLane><<<1, kRouteWarps * kWarp, smem, stream>>>(L, x, n, group, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, int group,
+                             cudaStream_t stream) {
+  const dim3 logits_grid((L.router_outputs + kRouterWarps - 1) / kRouterWarps, (n + kRouterTokens - 1) / kRouterTokens);
+  moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  // One warp per token where the logits fit 32 registers per lane and the choices and groups
+  // one lane each; otherwise one block per token.
+  if (L.top_k <= kWarp && L.n_group <= kWarp) {
+    if (L.router_outputs <= 4 * kWarp) return launch_route_warps<4>(L, x, n, group, ws, stream);
+    if (L.router_outputs <= 8 * kWarp) return launch_route_warps<8>(L, x, n, group, ws, stream);
+    if (L.router_outputs <= 16 * kWarp) return launch_route_warps<16>(L, x, n, group, ws, stream);
+    if (L.router_outputs <= 32 * kWarp) return launch_route_warps<32>(L, x, n, group, ws, stream);
   }
-  const dim3 logits_grid((L.router_outputs + kRouterWarps - 1) / kRouterWarps, n);
-  moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, ws);
-  const cudaError_t err = cudaGetLastError();
+  const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
+  err = allow_smem(moe_route_kernel, smem);
   if (err != cudaSuccess) return err;
   moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, x, ws);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || group == 0) return err;
+  const size_t group_smem = 2 * (static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0)) * sizeof(int);
+  moe_group_routes<<<1, kGroupThreads, group_smem, stream>>>(L, n, group, ws);
   return cudaGetLastError();
 }
 

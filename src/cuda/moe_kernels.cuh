@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "moeinfer/layer.h"
+
 namespace moeinfer::cuda {
 
 // One quantized matrix [rows, cols], K-major, as uploaded (same byte layout as QuantMatrix).
@@ -55,6 +57,20 @@ struct DevLayer {
   const DevExpert* experts = nullptr;             // [E + has_shared], device memory
 };
 
+#ifdef __CUDACC__
+__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+// The gated activation of DESIGN.md section 1 on one (gate, up) pair.
+__device__ __forceinline__ float activate(const DevLayer& L, float g, float u) {
+  if (L.activation == static_cast<uint8_t>(Activation::kGptOssClamped)) {
+    g = fminf(g, L.swiglu_limit);
+    u = fminf(fmaxf(u, -L.swiglu_limit), L.swiglu_limit);
+    return (u + 1.0f) * g * sigmoidf(L.swiglu_alpha * g);
+  }
+  return g * sigmoidf(g) * u;
+}
+#endif
+
 // Scratch for one call of up to max_tokens tokens. Routes are numbered token-major:
 // route t * k + j is slot j of token t; route n * k + t is token t's shared expert.
 struct DevWorkspace {
@@ -76,6 +92,11 @@ struct DevWorkspace {
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
 inline constexpr int kExpertMajorGroup = 32;
 
+// Routes per work item for a call of n tokens: an expert gets at most n routes (top-k picks
+// distinct experts), so small calls need one or two token tiles per block, and fewer
+// accumulators mean more blocks per SM.
+inline int expert_major_group(int n) { return n <= 8 ? 8 : (n <= 16 ? 16 : kExpertMajorGroup); }
+
 // Work items the expert-major grid is sized for when items hold up to `group` routes of one
 // expert: at most one per `group` routes plus one per expert, and at most one per route.
 inline int expert_major_max_items(int routes, int experts, int group = 8) {
@@ -83,7 +104,9 @@ inline int expert_major_max_items(int routes, int experts, int group = 8) {
   return bound < routes ? bound : routes;
 }
 
-cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
+// Router logits, then the selection of every token; with group > 0 also the expert-major work
+// items of up to `group` routes (ws.items, ws.route_list, ws.num_items).
+cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, int group,
                              cudaStream_t stream);
 cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                    float* out, cudaStream_t stream);
