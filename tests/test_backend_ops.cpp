@@ -61,15 +61,16 @@ std::vector<Variant> variants() {
       // rows of 136 bytes, so every other row is only 8-byte aligned), 8 experts of top-4 so
       // that N >= 64 puts more than 32 routes (one work item) on an expert.
       {"tails", Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8, .top_k = 4, .shared_intermediate = 144, .routed_scaling_factor = 2.5}},
-      // Router widths of the real models, for the CUDA route kernels (one warp per token,
-      // 8, 16 and 32 logits per lane) ...
+      // Router widths of the real models, for the CUDA route kernels (one warp per token, 8 and
+      // 16 logits per lane) ...
       {"deepseek256", Family::kDeepseekV3, {.hidden = 64, .intermediate = 32, .num_experts = 256, .top_k = 8, .shared_intermediate = 32, .routed_scaling_factor = 2.5, .n_group = 8, .topk_group = 4}, false,
        {"bf16", "nvfp4"}},
       {"qwen512", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 512, .top_k = 10, .shared_intermediate = 32}, false,
        {"bf16", "nvfp4"}},
       {"longcat768", Family::kLongcatFlash, {.hidden = 64, .intermediate = 32, .num_experts = 512, .top_k = 12, .num_zero_experts = 256, .norm_topk_prob = false, .routed_scaling_factor = 6.0}, false,
        {"bf16", "nvfp4"}},
-      // ... and past them (1040 logits): one block per token, then a separate grouping kernel.
+      // ... and past them (768 and 1040 logits): one block per token, then a separate grouping
+      // kernel.
       {"experts1040", Family::kQwen3Moe, {.hidden = 32, .intermediate = 16, .num_experts = 1040, .top_k = 3}, false,
        {"bf16", "nvfp4"}},
       // Quantized routers (the router kernel decodes any format).

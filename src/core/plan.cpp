@@ -63,7 +63,7 @@ const char* path_config(PathKind path) {
     case PathKind::kTokenMajor: return "router 8 rows/block; gate_up, down: 1 row/warp, 16 B loads, fp32 act";
     case PathKind::kPerRow: return "router 8 rows/block; gate_up, down: 128 thr/route, scalar loads";
     case PathKind::kExpertMajor:
-      return "router 8 rows/block; routes grouped by expert; gate_up, down: mma.sync m16n8k16 fp16/bf16, "
+      return "router 8 rows/block; routes grouped by expert; gate_up, down: mma.sync m16n8k16 bf16, "
              "16 rows x 32 routes/block, 4-way split K, 16 B loads";
   }
   return "?";

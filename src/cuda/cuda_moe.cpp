@@ -229,8 +229,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> route_list = alloc(routes * 4);
   Result<void*> items = alloc(int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16);
   Result<void*> num_items = alloc(4);
+  Result<void*> blocks_done = alloc(4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
-                                 &num_items}) {
+                                 &num_items, &blocks_done}) {
     if (!r->ok()) return r->status();
   }
   impl->ws.x_bf16 = static_cast<uint16_t*>(*x_bf16);
@@ -238,6 +239,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.route_list = static_cast<int32_t*>(*route_list);
   impl->ws.items = static_cast<int4*>(*items);
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
+  impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
   impl->ws.logits = static_cast<float*>(*logits);
   impl->ws.ids = static_cast<int32_t*>(*ids);
   impl->ws.weights = static_cast<float*>(*weights);

@@ -227,21 +227,42 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// Grid: (ceil((E + Z) / 8), ceil(n / 8)). Block: 8 warps, one router row each, for 8 tokens at
-// once: the router is read once per 8 tokens, by every SM at once.
+// Grid: (ceil((E + Z + shared gate) / 8), ceil(n / 8)). Block: 8 warps, one router row each (the
+// shared expert's gate vector is one more row), for 8 tokens at once: the router is read once
+// per 8 tokens, by every SM at once. The blocks also write expert-major's bf16 copy of x.
 constexpr int kRouterWarps = 8;
 constexpr int kRouterTokens = 8;
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
-  const int e = blockIdx.x * kRouterWarps + threadIdx.x / kWarp;
-  if (e >= L.router_outputs) return;
   const int lane = threadIdx.x % kWarp;
   const int t0 = blockIdx.y * kRouterTokens;
   const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
   const int64_t H = L.hidden;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
+  }
+
+  const int e = blockIdx.x * kRouterWarps + threadIdx.x / kWarp;
   float acc[kRouterTokens] = {};
-  if (L.router.cols % 8 == 0) {
+  if (e == L.router_outputs && L.shared_gate) {
 #pragma unroll 4
+    for (int c = lane; c < L.hidden; c += kWarp) {
+      const float w = L.shared_gate_values[c];
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < tokens) acc[j] += w * x[(t0 + j) * H + c];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterTokens; ++j) {
+      const float dot = warp_sum(acc[j]);
+      if (lane == 0 && j < tokens) ws.shared_gate[t0 + j] = sigmoidf(dot);
+    }
+    return;
+  }
+  if (e >= L.router_outputs) return;
+  if (L.router.cols % 8 == 0) {
+#pragma unroll 2
     for (int c = lane * 8; c < L.hidden; c += kWarp * 8) {
       float w[8];
       load_weights8(L.router, e, c, w);
@@ -264,21 +285,6 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
   for (int j = 0; j < kRouterTokens; ++j) {
     const float dot = warp_sum(acc[j]);
     if (lane == 0 && j < tokens) ws.logits[static_cast<int64_t>(t0 + j) * L.router_outputs + e] = dot + bias;
-  }
-}
-
-// Per token, what both route kernels do besides the selection: expert-major's bf16 copy of x
-// and the shared expert's sigmoid gate. `threads` threads from `first` share the work.
-__device__ void token_extras(const DevLayer& L, const float* xt, int t, const DevWorkspace& ws, int first, int threads) {
-  const int i = threadIdx.x - first;
-  for (int c = i; c < L.hidden; c += threads) {
-    ws.x_bf16[static_cast<int64_t>(t) * L.hidden + c] = __bfloat16_as_ushort(__float2bfloat16_rn(xt[c]));
-  }
-  if (L.shared_gate && i < kWarp) {
-    float acc = 0.0f;
-    for (int c = i; c < L.hidden; c += kWarp) acc += L.shared_gate_values[c] * xt[c];
-    acc = warp_sum(acc);
-    if (i == 0) ws.shared_gate[t] = sigmoidf(acc);
   }
 }
 
@@ -407,7 +413,7 @@ __device__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& w
 __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route) {
   const int routed = n * L.top_k;
   if (route >= routed) return L.num_experts;  // the shared expert
-  const int id = ws.ids[route];
+  const int id = __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
   return id < L.num_experts ? id : -1;
 }
 
@@ -465,28 +471,33 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
   group_routes<kGroupThreads>(L, n, group, ws, counts);
 }
 
-// Grid: 1 block of 16 warps; warp w routes tokens w, w + 16, ..., then (group > 0) the whole
-// block groups the routes. One launch, no block-wide barrier inside a token's selection.
-constexpr int kRouteWarps = 16;
+// Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) the last block to
+// finish groups the routes of all tokens. One launch, no block-wide barrier inside a token's
+// selection.
+constexpr int kRouteWarps = 8;
 template <int kPerLane>
-__global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer L, const float* x, int n, int group,
-                                                                       DevWorkspace ws) {
+__global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
+  __shared__ bool last;
   const int warp = threadIdx.x / kWarp;
-  float* keys = route_smem + warp * L.router_outputs;
-  for (int t = warp; t < n; t += kRouteWarps) {
-    route_token_warp<kPerLane>(L, t, ws, keys);
-    token_extras(L, x + static_cast<int64_t>(t) * L.hidden, t, ws, warp * kWarp, kWarp);
-  }
+  const int t = blockIdx.x * kRouteWarps + warp;
+  if (t < n) route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs);
   if (group == 0) return;
+  // Publish this block's choices, then count finished blocks; the last one sees them all.
+  __threadfence();
   __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ws.route_blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
   group_routes<kRouteWarps * kWarp>(L, n, group, ws, reinterpret_cast<int*>(route_smem));
+  if (threadIdx.x == 0) *ws.route_blocks_done = 0;  // ready for the next call
 }
 
 // Grid: one block per token. Block: 256 threads running the selection of DESIGN.md section 2
 // on the token's logits in shared memory: scores, keys, group masking, k rounds of argmax,
 // weights.
-__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, const float* x, DevWorkspace ws) {
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, DevWorkspace ws) {
   extern __shared__ float smem[];
   const int outputs = L.router_outputs;
   float* logits = smem;               // [E + Z]
@@ -497,7 +508,6 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
   __shared__ int chosen[kCudaMaxTopK];
 
   const int t = blockIdx.x;
-  const float* xt = x + static_cast<int64_t>(t) * L.hidden;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
 
   for (int e = threadIdx.x; e < outputs; e += blockDim.x) logits[e] = ws.logits[static_cast<int64_t>(t) * outputs + e];
@@ -598,7 +608,6 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, co
       ws.weights[t * L.top_k + j] = w[j] * L.scaling;
     }
   }
-  token_extras(L, xt, t, ws, 0, blockDim.x);
 }
 
 // ---- token-major -------------------------------------------------------------------------------
@@ -736,14 +745,14 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
 }
 
 template <int kPerLane>
-cudaError_t launch_route_warps(const DevLayer& L, const float* x, int n, int group, const DevWorkspace& ws,
+cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWorkspace& ws,
                                cudaStream_t stream) {
   const size_t experts = static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0);
   const size_t keys = L.n_group > 1 ? kRouteWarps * static_cast<size_t>(L.router_outputs) * sizeof(float) : 0;
   const size_t smem = std::max(keys, 2 * experts * sizeof(int));
   const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
   if (err != cudaSuccess) return err;
-  moe_route_warps<kPerLane><<<1, kRouteWarps * kWarp, smem, stream>>>(L, x, n, group, ws);
+  moe_route_warps<kPerLane><<<(n + kRouteWarps - 1) / kRouteWarps, kRouteWarps * kWarp, smem, stream>>>(L, n, group, ws);
   return cudaGetLastError();
 }
 
@@ -751,22 +760,22 @@ cudaError_t launch_route_warps(const DevLayer& L, const float* x, int n, int gro
 
 cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, int group,
                              cudaStream_t stream) {
-  const dim3 logits_grid((L.router_outputs + kRouterWarps - 1) / kRouterWarps, (n + kRouterTokens - 1) / kRouterTokens);
+  const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
+  const dim3 logits_grid((rows + kRouterWarps - 1) / kRouterWarps, (n + kRouterTokens - 1) / kRouterTokens);
   moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  // One warp per token where the logits fit 32 registers per lane and the choices and groups
+  // One warp per token where the logits fit 16 registers per lane and the choices and groups
   // one lane each; otherwise one block per token.
   if (L.top_k <= kWarp && L.n_group <= kWarp) {
-    if (L.router_outputs <= 4 * kWarp) return launch_route_warps<4>(L, x, n, group, ws, stream);
-    if (L.router_outputs <= 8 * kWarp) return launch_route_warps<8>(L, x, n, group, ws, stream);
-    if (L.router_outputs <= 16 * kWarp) return launch_route_warps<16>(L, x, n, group, ws, stream);
-    if (L.router_outputs <= 32 * kWarp) return launch_route_warps<32>(L, x, n, group, ws, stream);
+    if (L.router_outputs <= 4 * kWarp) return launch_route_warps<4>(L, n, group, ws, stream);
+    if (L.router_outputs <= 8 * kWarp) return launch_route_warps<8>(L, n, group, ws, stream);
+    if (L.router_outputs <= 16 * kWarp) return launch_route_warps<16>(L, n, group, ws, stream);
   }
   const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
   err = allow_smem(moe_route_kernel, smem);
   if (err != cudaSuccess) return err;
-  moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, x, ws);
+  moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, ws);
   err = cudaGetLastError();
   if (err != cudaSuccess || group == 0) return err;
   const size_t group_smem = 2 * (static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0)) * sizeof(int);

@@ -87,6 +87,7 @@ struct DevWorkspace {
   int32_t* route_list = nullptr; // [routes] route indices grouped by expert
   int4* items = nullptr;         // [max_items] {expert, first index in route_list, routes, 0}
   int32_t* num_items = nullptr;  // [1]
+  int32_t* route_blocks_done = nullptr;  // [1] zero between calls: the route kernel's finish line
 };
 
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
