@@ -313,7 +313,6 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
 // activations -> expert_out (fp32).
 template <bool kGateUp, int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, int n, DevWorkspace ws) {
-  await_previous_kernel();
   constexpr int kMats = kGateUp ? 2 : 1;
   __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
   if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
@@ -397,10 +396,12 @@ namespace {
 template <int kTiles>
 cudaError_t launch_gemms(const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
   const dim3 gate_up_grid((L.act_stride + kRows - 1) / kRows, max_items);
-  const cudaError_t err = launch_after(moe_expert_major<true, kTiles>, gate_up_grid, dim3(kWarps * kWarp), 0, stream, L, n, ws);
+  moe_expert_major<true, kTiles><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 down_grid((L.hidden + kRows - 1) / kRows, max_items);
-  return launch_after(moe_expert_major<false, kTiles>, down_grid, dim3(kWarps * kWarp), 0, stream, L, n, ws);
+  moe_expert_major<false, kTiles><<<down_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  return cudaGetLastError();
 }
 
 }  // namespace

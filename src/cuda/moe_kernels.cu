@@ -234,7 +234,6 @@ constexpr int kRouterWarps = 8;
 constexpr int kRouterTokens = 8;
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
-  asm volatile("griddepcontrol.launch_dependents;" :::);  // launched plainly: nothing to wait for
   const int lane = threadIdx.x % kWarp;
   const int t0 = blockIdx.y * kRouterTokens;
   const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
@@ -468,7 +467,6 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
 // Grid: 1 block. The grouping alone, after the block-per-token route kernel.
 constexpr int kGroupThreads = 1024;
 __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
-  await_previous_kernel();
   extern __shared__ int counts[];
   group_routes<kGroupThreads>(L, n, group, ws, counts);
 }
@@ -479,7 +477,6 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 constexpr int kRouteWarps = 8;
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
-  await_previous_kernel();
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
   __shared__ bool last;
   const int warp = threadIdx.x / kWarp;
@@ -501,7 +498,6 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer 
 // on the token's logits in shared memory: scores, keys, group masking, k rounds of argmax,
 // weights.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, DevWorkspace ws) {
-  await_previous_kernel();
   extern __shared__ float smem[];
   const int outputs = L.router_outputs;
   float* logits = smem;               // [E + Z]
@@ -666,7 +662,6 @@ __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevL
 // Grid: (ceil(H / 256), n). Block: 256 threads, one output element each:
 // out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared.
 __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
-  await_previous_kernel();
   const int t = blockIdx.y;
   const int h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h >= L.hidden) return;
@@ -736,7 +731,8 @@ int route_count(const DevLayer& L, int n) { return n * L.top_k + (L.has_shared ?
 cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream) {
   const dim3 grid((L.hidden + 255) / 256, n);
-  return launch_after(moe_blend, grid, dim3(256), 0, stream, L, x, n, ws, out);
+  moe_blend<<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  return cudaGetLastError();
 }
 
 namespace {
@@ -756,8 +752,8 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
   const size_t smem = std::max(keys, 2 * experts * sizeof(int));
   const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
   if (err != cudaSuccess) return err;
-  return launch_after(moe_route_warps<kPerLane>, dim3((n + kRouteWarps - 1) / kRouteWarps), dim3(kRouteWarps * kWarp),
-                      smem, stream, L, n, group, ws);
+  moe_route_warps<kPerLane><<<(n + kRouteWarps - 1) / kRouteWarps, kRouteWarps * kWarp, smem, stream>>>(L, n, group, ws);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -779,10 +775,12 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
   const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
   err = allow_smem(moe_route_kernel, smem);
   if (err != cudaSuccess) return err;
-  err = launch_after(moe_route_kernel, dim3(n), dim3(kRouteThreads), smem, stream, L, ws);
+  moe_route_kernel<<<n, kRouteThreads, smem, stream>>>(L, ws);
+  err = cudaGetLastError();
   if (err != cudaSuccess || group == 0) return err;
   const size_t group_smem = 2 * (static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0)) * sizeof(int);
-  return launch_after(moe_group_routes, dim3(1), dim3(kGroupThreads), group_smem, stream, L, n, group, ws);
+  moe_group_routes<<<1, kGroupThreads, group_smem, stream>>>(L, n, group, ws);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_moe_token_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,

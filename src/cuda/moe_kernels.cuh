@@ -58,33 +58,6 @@ struct DevLayer {
 };
 
 #ifdef __CUDACC__
-// Programmatic dependent launch: a kernel launched with launch_after() starts while its
-// predecessor drains and waits here, first thing, until that predecessor has finished and its
-// writes are visible; launched plainly, this is a no-op. Every kernel of a call lets its
-// successor launch early (before its own work: the successor only waits).
-__device__ __forceinline__ void await_previous_kernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-}
-
-// Launches `kernel` so that it may start before the previous kernel in the stream finishes
-// (it must call await_previous_kernel() before touching memory). Capturable in a graph.
-template <class... Params, class... Args>
-cudaError_t launch_after(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                         Args... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
 
 // The gated activation of DESIGN.md section 1 on one (gate, up) pair.
