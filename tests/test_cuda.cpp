@@ -3,8 +3,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
+#include <random>
 #include <set>
+
+#include "cuda/moe_kernels.cuh"
 
 #include "moeinfer/backend.h"
 #include "moeinfer/cuda.h"
@@ -112,6 +117,53 @@ TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
   EXPECT_EQ(s.code(), StatusCode::kUnsupported);
   EXPECT_EQ(s.message(), "path token-major cannot run this layer: hidden_size 100 is not a multiple of 8 (token-major "
                          "loads 8 weights at a time)");
+}
+
+// The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;
+// the device may produce any grouping. Every routing must fit: count the items the device's
+// grouping makes (one per `group` routes of an expert) for adversarial and random routings.
+// Host-only: runs without a GPU.
+TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
+  std::mt19937 rng(5);
+  int cases = 0;
+  for (int experts : {1, 4, 8, 60, 128, 256, 512}) {
+    for (int top_k : {1, 2, 4, 8, 10}) {
+      if (top_k > experts) continue;
+      for (bool shared : {false, true}) {
+        for (int n : {1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 64, 100, 128, 255, 256}) {
+          for (int pattern = 0; pattern < 3; ++pattern) {  // identical tokens, random, round robin
+            std::vector<int> counts(static_cast<size_t>(experts) + (shared ? 1 : 0), 0);
+            std::vector<int> ids(static_cast<size_t>(experts));
+            std::iota(ids.begin(), ids.end(), 0);
+            for (int t = 0; t < n; ++t) {
+              if (pattern == 1) std::shuffle(ids.begin(), ids.end(), rng);
+              for (int j = 0; j < top_k; ++j) {
+                const int e = pattern == 2 ? (t * top_k + j) % experts : ids[static_cast<size_t>(j)];
+                ++counts[static_cast<size_t>(e)];
+              }
+            }
+            if (shared) counts.back() = n;
+            const int routes = n * top_k + (shared ? n : 0);
+            const int table = experts + (shared ? 1 : 0);
+            const int group = cuda::expert_major_group(n);
+            int items = 0;
+            for (int c : counts) {
+              ASSERT_LE(c, n);  // a token picks distinct experts: what sizes the token tiles
+              items += (c + group - 1) / group;
+            }
+            ASSERT_LE(group, cuda::kExpertMajorGroup);
+            ASSERT_GE(group, std::min(n, cuda::kExpertMajorGroup)) << "n " << n;
+            ASSERT_LE(items, cuda::expert_major_max_items(routes, table, group))
+                << experts << " experts, top-" << top_k << ", n " << n << ", pattern " << pattern;
+            // The workspace is allocated for the smallest group, whose bound is the largest.
+            ASSERT_LE(cuda::expert_major_max_items(routes, table, group), cuda::expert_major_max_items(routes, table));
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 1000);
 }
 
 }  // namespace
