@@ -40,6 +40,9 @@ struct BenchConfig {
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;
+  // Expert parallelism (CPU backend over MPI): this process is one of `ep` ranks started by
+  // mpirun; every rank runs run_bench, rank 0's result holds the rows.
+  int ep = 1;
 };
 
 struct BenchRow {
@@ -56,6 +59,13 @@ struct BenchRow {
   double gbps = 0;             // bytes / time
   double floor_us = 0;         // bytes / measured read bandwidth
   double fraction = 0;         // floor_us / time_us
+  // Expert parallelism: ranks, the most bytes any one rank must read (its slice of the distinct
+  // experts; rank 0 also the shared expert), and the all-reduce of the partial outputs per call
+  // (the fastest rank's, i.e. the communication without waiting for the others). time_us is
+  // then the slowest rank's call, barrier to return.
+  int ranks = 1;
+  double rank_bytes = 0;
+  double allreduce_us = 0;
 };
 
 struct BenchResult {

@@ -27,8 +27,21 @@ void ep_finalize();
 int ep_rank();  // 0 before ep_init
 int ep_size();  // 1 before ep_init
 
+// Time this rank spent in the all-reduce of the partial outputs, over all calls so far.
+struct EpStats {
+  double reduce_seconds = 0;
+  int64_t reduces = 0;
+};
+
 // The CPU backend running this rank's slice of every layer, with the partial outputs summed
-// over MPI_COMM_WORLD: every rank returns the whole layer output.
-Result<std::unique_ptr<Backend>> make_cpu_ep_backend();
+// over MPI_COMM_WORLD: every rank returns the whole layer output. With `stats`, the all-reduce
+// is timed into it (stats must outlive the backend).
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats* stats = nullptr);
+
+// Collectives over all ranks for the benchmark's bookkeeping; without MPI (or before ep_init)
+// the identity.
+double ep_max(double v);
+double ep_min(double v);
+void ep_barrier();
 
 }  // namespace moeinfer

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "moeinfer/cuda.h"
+#include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
 
@@ -99,9 +100,19 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   if (cfg.backend != BackendKind::kCuda && cfg.backend != BackendKind::kReference && cfg.backend != BackendKind::kCpu) {
     return invalid_argument("bench: --backend must be cuda, cpu or reference");
   }
+  const bool ep = cfg.ep > 1;
+  if (ep && cfg.backend != BackendKind::kCpu) {
+    return unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
+                                   "parallelism yet (NCCL on GPUs is not built)",
+                                   backend_name(cfg.backend)));
+  }
+  if (ep && ep_size() != cfg.ep) {
+    return internal_error(fmt::format("bench --ep {} but this job has {} MPI ranks", cfg.ep, ep_size()));
+  }
   std::unique_ptr<Backend> host_backend;
+  EpStats ep_stats;
   if (!cuda) {
-    Result<std::unique_ptr<Backend>> b = make_backend(cfg.backend);
+    Result<std::unique_ptr<Backend>> b = ep ? make_cpu_ep_backend(&ep_stats) : make_backend(cfg.backend);
     if (!b.ok()) return b.status();
     host_backend = std::move(b).value();
   }
@@ -120,7 +131,10 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     result.read_gbps = *bw;
   } else {
     result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
-    result.read_gbps = cpu_read_gbps();
+    // Under expert parallelism the ranks share the host's memory: rank 0 measures it alone.
+    ep_barrier();
+    result.read_gbps = ep_max(ep_rank() == 0 ? cpu_read_gbps() : 0.0);
+    if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
 
   const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
@@ -151,7 +165,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         for (int64_t n : cfg.tokens) {
           if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
           std::vector<std::vector<float>> batches;
-          double distinct = 0.0;
+          double distinct = 0.0, mine = 0.0;  // distinct experts: all, and in this rank's slice
+          const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
           for (int i = 0; i < cfg.inputs; ++i) {
             batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
             Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
@@ -161,28 +176,37 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
               if (id < d.num_experts) ids.insert(id);
             }
             distinct += static_cast<double>(ids.size());
-            if (!cuda) {  // generate the experts before the clock runs
-              const std::vector<int> touched(ids.begin(), ids.end());
-              MOEINFER_RETURN_IF_ERROR(layer->load_experts(touched));
+            std::vector<int> touched;  // on this rank
+            for (int id : ids) {
+              if (slice.owns(id)) touched.push_back(id);
             }
+            mine += static_cast<double>(touched.size());
+            if (!cuda) MOEINFER_RETURN_IF_ERROR(layer->load_experts(touched));  // generated before the clock runs
           }
           distinct /= cfg.inputs;
-          double time_us = 0.0;
+          mine /= cfg.inputs;
+          double time_us = 0.0, allreduce_us = 0.0;
           if (cuda) {
             Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps);
             if (!t.ok()) return t.status();
             time_us = *t;
           } else {
             std::vector<float> out(static_cast<size_t>(n * d.hidden));
-            std::vector<double> times;
+            std::vector<double> times, reduces;
             for (int r = 0; r < cfg.reps; ++r) {
               const std::vector<float>& x = batches[static_cast<size_t>(r % cfg.inputs)];
+              ep_barrier();  // the ranks start each call together
+              const double reduce_before = ep_stats.reduce_seconds;
               const auto start = Clock::now();
               MOEINFER_RETURN_IF_ERROR(host_backend->forward(*layer, x, n, out, nullptr));
-              times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+              // A call lasts until its slowest rank returns.
+              times.push_back(ep_max(std::chrono::duration<double, std::micro>(Clock::now() - start).count()));
+              reduces.push_back(ep_min((ep_stats.reduce_seconds - reduce_before) * 1e6));
             }
             std::sort(times.begin(), times.end());
+            std::sort(reduces.begin(), reduces.end());
             time_us = times[times.size() / 2];
+            allreduce_us = reduces[reduces.size() / 2];
           }
           BenchRow row;
           row.preset = preset;
@@ -199,6 +223,13 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
           row.bytes = distinct * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes +
                       2.0 * static_cast<double>(n * d.hidden) * 4.0;
           row.gbps = row.bytes / (time_us * 1e-6) / 1e9;
+          row.ranks = ep_size();
+          row.allreduce_us = allreduce_us;
+          // This rank reads its share of the distinct experts, the router (every rank routes),
+          // rank 0 also the shared expert, and the activations; the row keeps the largest.
+          const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
+          row.rank_bytes = ep_max(mine * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes -
+                                  (ep_rank() == 0 ? 0.0 : shared) + 2.0 * static_cast<double>(n * d.hidden) * 4.0);
           row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;
           row.fraction = row.floor_us / time_us;
           result.rows.push_back(row);
@@ -212,13 +243,17 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
 }
 
 std::string BenchResult::table() const {
+  // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce.
+  const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 1; });
   std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s\n", device, read_gbps);
-  s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}\n", "preset", "format",
+  s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}", "preset", "format",
                    "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor");
+  s += ep ? fmt::format(" {:>5} {:>8} {:>12}\n", "ranks", "rank MB", "allreduce us") : "\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%\n", r.preset,
+    s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%", r.preset,
                      r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps,
                      r.floor_us, r.fraction * 100.0);
+    s += ep ? fmt::format(" {:>5} {:>8.2f} {:>12.1f}\n", r.ranks, r.rank_bytes / 1e6, r.allreduce_us) : "\n";
   }
   return s;
 }
@@ -229,17 +264,20 @@ std::string BenchResult::json() const {
     j["rows"].push_back({{"preset", r.preset}, {"format", r.format}, {"routing", r.routing}, {"tokens", r.tokens},
                          {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"time_us", r.time_us},
                          {"distinct_experts", r.distinct_experts}, {"bytes", r.bytes}, {"gbps", r.gbps},
-                         {"floor_us", r.floor_us}, {"fraction", r.fraction}});
+                         {"floor_us", r.floor_us}, {"fraction", r.fraction}, {"ranks", r.ranks},
+                         {"rank_bytes", r.rank_bytes}, {"allreduce_us", r.allreduce_us}});
   }
   return j.dump(2) + "\n";
 }
 
 std::string BenchResult::csv() const {
-  std::string s = "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps\n";
+  std::string s =
+      "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps,"
+      "ranks,rank_bytes,allreduce_us\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f}\n", r.preset, r.format,
-                     r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes, r.gbps,
-                     r.floor_us, r.fraction, read_gbps);
+    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f}\n", r.preset,
+                     r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes,
+                     r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us);
   }
   return s;
 }

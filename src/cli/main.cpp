@@ -13,6 +13,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moeinfer/backend.h"
@@ -148,9 +149,11 @@ struct BenchOptions {
   int inputs = 8;
   int reps = 20;
   uint64_t seed = 0;
+  int ep = 1;  // ranks of expert parallelism (CPU, MPI)
 };
 
 int bench_command(const BenchOptions& opt) {
+  if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
   BenchConfig cfg;
   cfg.presets = split_list(opt.presets);
   for (const std::string& f : split_list(opt.formats)) {
@@ -177,6 +180,7 @@ int bench_command(const BenchOptions& opt) {
   }
   Result<BackendKind> kind = parse_backend(opt.backend);
   if (!kind.ok()) return fail(kind.status());
+  if (*kind == BackendKind::kAuto && opt.ep > 1) *kind = BackendKind::kCpu;  // expert parallelism runs on CPUs
   if (*kind == BackendKind::kAuto) {
     Result<std::unique_ptr<Backend>> best = make_backend(BackendKind::kAuto);
     if (!best.ok()) return fail(best.status());
@@ -191,12 +195,17 @@ int bench_command(const BenchOptions& opt) {
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
   cfg.seed = opt.seed;
+  cfg.ep = opt.ep;
 
+  // Under expert parallelism every rank measures; rank 0 alone reports and writes.
+  const bool quiet = ep_rank() != 0;
   Result<BenchResult> result = [&] {
+    if (quiet) return run_bench(cfg);
     ProgressBar bar("bench");
     return run_bench(cfg, [&](int64_t done, int64_t total, const std::string&) { bar.update(done, total); });
   }();
   if (!result.ok()) return fail(result.status());
+  if (quiet) return 0;
   fmt::print("{}", result->table());
   std::error_code ec;
   std::filesystem::create_directories(opt.out, ec);
@@ -439,6 +448,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--backend", bench.backend, "cuda, cpu, reference or auto")->capture_default_str();
   bench_cmd->add_option("--path", bench.path, "Force a CUDA path: expert-major, token-major or per-row");
+  bench_cmd->add_option("--ep", bench.ep, "Expert parallelism over this many CPU ranks (launched through mpirun)")
+      ->capture_default_str();
   bench_cmd->add_option("--inputs", bench.inputs, "Rotating token batches per row (at least 8 keeps L2 honest)")
       ->capture_default_str();
   bench_cmd->add_option("--reps", bench.reps, "Timed rounds over all batches; the median is reported")->capture_default_str();
@@ -467,11 +478,22 @@ int main(int argc, char** argv) {
   }
 
   run.format_given = format_opt->count() > 0;
-  if (run_cmd->parsed() && run.ep > 1) {
+  const int ep_ranks = run_cmd->parsed() ? run.ep : (bench_cmd->parsed() ? bench.ep : 1);
+  if (ep_ranks > 1) {
+    // Refused before any rank starts: only the cpu backend has expert parallelism.
+    const std::string& backend = run_cmd->parsed() ? run.backend : bench.backend;
+    if (backend != "cpu" && backend != "auto" && parse_backend(backend).ok()) {
+      return fail(unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
+                                          "parallelism yet (NCCL on GPUs is not built)",
+                                          backend)));
+    }
     if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr) {
       // Not inside an MPI job yet: start one, each rank running this same command.
       if (!ep_built_with_mpi()) return fail(ep_init(&argc, &argv));
-      std::vector<std::string> args = {"mpirun", "--oversubscribe", "-np", std::to_string(run.ep)};
+      std::vector<std::string> args = {"mpirun", "--oversubscribe", "-np", std::to_string(ep_ranks)};
+      // The ranks share this host's cores: unless told otherwise, each gets its share.
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / static_cast<unsigned>(ep_ranks))).c_str(), 0);
       if (geteuid() == 0) {  // Open MPI refuses root in mpirun and in every rank unless told twice
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
@@ -489,7 +511,7 @@ int main(int argc, char** argv) {
     }
     const Status st = ep_init(&argc, &argv);
     if (!st.ok()) return fail(st);
-    const int rc = run_command(run);
+    const int rc = run_cmd->parsed() ? run_command(run) : bench_command(bench);
     ep_finalize();
     return rc;
   }

@@ -12,6 +12,9 @@ Status ep_init(int*, char***) { return no_mpi(); }
 void ep_finalize() {}
 int ep_rank() { return 0; }
 int ep_size() { return 1; }
-Result<std::unique_ptr<Backend>> make_cpu_ep_backend() { return no_mpi(); }
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats*) { return no_mpi(); }
+double ep_max(double v) { return v; }
+double ep_min(double v) { return v; }
+void ep_barrier() {}
 
 }  // namespace moeinfer

@@ -39,17 +39,46 @@ int ep_size() {
   return size;
 }
 
-Result<std::unique_ptr<Backend>> make_cpu_ep_backend() {
+namespace {
+
+bool mpi_running() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+double reduce_double(double v, MPI_Op op) {
+  if (!mpi_running()) return v;
+  double out = v;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, op, MPI_COMM_WORLD);
+  return out;
+}
+
+}  // namespace
+
+double ep_max(double v) { return reduce_double(v, MPI_MAX); }
+double ep_min(double v) { return reduce_double(v, MPI_MIN); }
+void ep_barrier() {
+  if (mpi_running()) MPI_Barrier(MPI_COMM_WORLD);
+}
+
+Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats* stats) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) return unavailable("expert parallelism needs MPI initialised (ep_init) in every rank");
   CpuEpConfig ep;
   ep.rank = ep_rank();
   ep.ranks = ep_size();
-  ep.reduce = [](std::span<float> out) -> Status {
+  ep.reduce = [stats](std::span<float> out) -> Status {
+    const double start = MPI_Wtime();
     if (MPI_Allreduce(MPI_IN_PLACE, out.data(), static_cast<int>(out.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) !=
         MPI_SUCCESS) {
       return Status(StatusCode::kInternal, "MPI_Allreduce of the partial outputs failed");
+    }
+    if (stats != nullptr) {
+      stats->reduce_seconds += MPI_Wtime() - start;
+      ++stats->reduces;
     }
     return {};
   };
