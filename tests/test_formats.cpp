@@ -5,7 +5,9 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/moe_cpu.h"
 #include "moeinfer/format.h"
+#include "moeinfer/presets.h"
 #include "test_util.h"
 
 namespace moeinfer {
@@ -131,6 +133,40 @@ TEST(Nvfp4, DecodesAHandPackedMatrix) {
   EXPECT_EQ(w[16], 0.5f);   // 0.5 * 2.0 * 0.5
   EXPECT_EQ(w[17], 6.0f);   // 6 * 2.0 * 0.5
   EXPECT_EQ(w[2], 0.0f);
+}
+
+// The CPU backend's row decoder (AVX2 for NVFP4 where the CPU has it) gives the values of the
+// format's own decoder on every code, every block scale and ragged widths.
+TEST(Nvfp4, CpuRowDecoderMatchesDequantizeRow) {
+  for (int64_t cols : {16, 32, 48, 272, 2048}) {
+    const int64_t rows = 5;
+    std::vector<float> values = make_tokens(rows, cols, static_cast<uint64_t>(cols));
+    for (size_t i = 0; i < values.size(); i += 7) values[i] *= 1e3f;   // block scales across the E4M3 range
+    for (size_t i = 3; i < values.size(); i += 11) values[i] = 0.0f;  // zeros of both signs
+    for (size_t i = 5; i < values.size(); i += 13) values[i] = -0.0f;
+    const QuantMatrix m = take(QuantMatrix::quantize(values, rows, cols, {WeightFormat::kNVFP4}));
+    std::vector<float> expected(static_cast<size_t>(cols)), got(static_cast<size_t>(cols), std::nanf(""));
+    for (int64_t r = 0; r < rows; ++r) {
+      m.dequantize_row(r, expected.data());
+      cpu_decode_row(m, r, got.data());
+      for (int64_t c = 0; c < cols; ++c) {
+        ASSERT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "row " << r << " col " << c;
+      }
+    }
+  }
+  // Every code pair, under one scale: bytes 0..255 in one row of 512.
+  QuantMatrix m;
+  m.spec = {WeightFormat::kNVFP4};
+  m.rows = 1;
+  m.cols = 512;
+  for (int b = 0; b < 256; ++b) m.data.push_back(static_cast<uint8_t>(b));
+  m.block_scales.assign(32, 0x3A);  // 1.25
+  m.global_scale = 0.375f;
+  ASSERT_OK(m.check("m"));
+  std::vector<float> expected(512), got(512);
+  m.dequantize_row(0, expected.data());
+  cpu_decode_row(m, 0, got.data());
+  for (int c = 0; c < 512; ++c) ASSERT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "col " << c;
 }
 
 TEST(Nvfp4, PacksElementZeroInTheLowNibble) {

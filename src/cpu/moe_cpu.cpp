@@ -6,6 +6,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "core/parallel.h"
 #include "cpu/moe_cpu.h"
 #include "moeinfer/ep.h"
@@ -29,6 +33,48 @@ float dot(const float* a, const float* b, int64_t n) {
 
 float sigmoidf(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
+#if defined(__x86_64__)
+// NVFP4 row decode with AVX2, 16 values (8 bytes, one block scale) per step: the nibbles are
+// split and interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up
+// 2 * E2M1 as a signed integer, and the integers become floats times half the block scale
+// (exact: at most 6 significant bits) times the global scale, the one rounding, as in
+// QuantMatrix::dequantize_row. Only the sign of a zero can differ (-0 decodes as +0).
+__attribute__((target("avx2,fma"))) void decode_nvfp4_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
+  const int64_t groups = m.cols / kNvfp4Group;
+  const uint8_t* bytes = m.data.data() + r * m.cols / 2;
+  const __m128i twice_e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256 global = _mm256_set1_ps(m.global_scale);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 half_block =
+        _mm256_set1_ps(e4m3_to_float(m.block_scales[static_cast<size_t>(r * groups + g)]) * 0.5f);
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + g * kNvfp4Group / 2));
+    const __m128i low = _mm_and_si128(packed, nibble);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    const __m128i twice = _mm_shuffle_epi8(twice_e2m1, _mm_unpacklo_epi8(low, high));
+    const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(twice));
+    const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(twice, 8)));
+    _mm256_storeu_ps(out + g * kNvfp4Group, _mm256_mul_ps(_mm256_mul_ps(first, half_block), global));
+    _mm256_storeu_ps(out + g * kNvfp4Group + 8, _mm256_mul_ps(_mm256_mul_ps(second, half_block), global));
+  }
+}
+#endif
+
+}  // namespace
+
+void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && m.spec.format == WeightFormat::kNVFP4) {
+    decode_nvfp4_row_avx2(m, r, out);
+    return;
+  }
+#endif
+  m.dequantize_row(r, out);
+}
+
+namespace {
+
 float activate(const LayerDesc& d, float g, float u) {
   if (d.activation == Activation::kGptOssClamped) {
     g = std::min(g, d.swiglu_limit);
@@ -50,8 +96,8 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
     std::vector<float> g_row(static_cast<size_t>(h)), u_row(static_cast<size_t>(h));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < inter; ++i) {
-      w.gate.dequantize_row(i, g_row.data());
-      w.up.dequantize_row(i, u_row.data());
+      cpu_decode_row(w.gate, i, g_row.data());
+      cpu_decode_row(w.up, i, u_row.data());
       const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
       const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
       for (int64_t j = 0; j < m; ++j) {
@@ -62,7 +108,7 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
     std::vector<float> d_row(static_cast<size_t>(inter));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < h; ++r) {
-      w.down.dequantize_row(r, d_row.data());
+      cpu_decode_row(w.down, r, d_row.data());
       const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
       for (int64_t j = 0; j < m; ++j) {
         y[static_cast<size_t>(j * h + r)] = dot(d_row.data(), act.data() + j * inter, inter) + db;

@@ -6,6 +6,7 @@
 #include <span>
 
 #include "moeinfer/backend.h"
+#include "moeinfer/format.h"
 
 namespace moeinfer {
 
@@ -18,5 +19,9 @@ struct CpuEpConfig {
 };
 
 std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep = {});
+
+// Row r of m as floats, the values of QuantMatrix::dequantize_row (the sign of a zero aside),
+// decoded with AVX2 where the CPU has it.
+void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out);
 
 }  // namespace moeinfer
