@@ -169,6 +169,32 @@ TEST(Nvfp4, CpuRowDecoderMatchesDequantizeRow) {
   for (int c = 0; c < 512; ++c) ASSERT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "col " << c;
 }
 
+// Likewise for FP8: every code (NaN included) under every scaling, on ragged widths.
+TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
+  for (Fp8Scaling scaling : {Fp8Scaling::kBlock128, Fp8Scaling::kPerChannel, Fp8Scaling::kPerTensor}) {
+    for (int64_t cols : {5, 16, 130, 300}) {
+      const int64_t rows = 3;
+      const QuantMatrix base = take(QuantMatrix::quantize(make_tokens(rows, cols, static_cast<uint64_t>(cols)), rows, cols,
+                                                           {WeightFormat::kFP8, scaling}));
+      QuantMatrix m = base;
+      for (size_t i = 0; i < m.data.size(); ++i) m.data[i] = static_cast<uint8_t>(i * 37 + 11);  // every code
+      std::vector<float> expected(static_cast<size_t>(cols)), got(static_cast<size_t>(cols));
+      for (int64_t r = 0; r < rows; ++r) {
+        m.dequantize_row(r, expected.data());
+        cpu_decode_row(m, r, got.data());
+        for (int64_t c = 0; c < cols; ++c) {
+          const float e = expected[static_cast<size_t>(c)], g = got[static_cast<size_t>(c)];
+          if (std::isnan(e)) {
+            ASSERT_TRUE(std::isnan(g)) << "row " << r << " col " << c;
+          } else {
+            ASSERT_EQ(g, e) << fp8_scaling_name(scaling) << " cols " << cols << " row " << r << " col " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Nvfp4, PacksElementZeroInTheLowNibble) {
   std::vector<float> row(16, 0.0f);
   row[0] = 6.0f;

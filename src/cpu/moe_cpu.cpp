@@ -3,6 +3,7 @@
 // every token that chose it, so a batch reads each expert once (the decode regime's floor).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -58,6 +59,35 @@ __attribute__((target("avx2,fma"))) void decode_nvfp4_row_avx2(const QuantMatrix
     _mm256_storeu_ps(out + g * kNvfp4Group + 8, _mm256_mul_ps(_mm256_mul_ps(second, half_block), global));
   }
 }
+
+// FP8 E4M3 row decode with AVX2, 8 values per step: a code's sign, exponent and mantissa bits
+// moved into a float's (E4M3 x 2^-120, subnormals included) times 2^120 is the code's value
+// exactly; the NaN codes stay NaN; then the scale, the one rounding, as in dequantize_row.
+__attribute__((target("avx2,fma"))) void decode_fp8_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
+  const uint8_t* codes = m.data.data() + r * m.cols;
+  const __m256i sign = _mm256_set1_epi32(0x80), magnitude = _mm256_set1_epi32(0x7F);
+  const __m256 rebias = _mm256_set1_ps(0x1p120f), nan = _mm256_set1_ps(std::nanf(""));
+  // One scale per 128 columns (block), per row (channel) or for all (tensor).
+  const int64_t span = m.spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : m.cols;
+  for (int64_t c0 = 0; c0 < m.cols; c0 += span) {
+    int64_t s = 0;
+    if (m.spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * m.fp8_scale_cols() + c0 / kFp8Block;
+    else if (m.spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
+    const float scale = m.scales[static_cast<size_t>(s)];
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    const int64_t c1 = std::min(m.cols, c0 + span);
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+      const __m256i m7 = _mm256_and_si256(b, magnitude);
+      const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, sign), 24), _mm256_slli_epi32(m7, 20));
+      __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias);
+      v = _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m7, magnitude)));
+      _mm256_storeu_ps(out + c, _mm256_mul_ps(v, scale8));
+    }
+    for (; c < c1; ++c) out[c] = e4m3_to_float(codes[c]) * scale;
+  }
+}
 #endif
 
 }  // namespace
@@ -67,6 +97,10 @@ void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out) {
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2 && m.spec.format == WeightFormat::kNVFP4) {
     decode_nvfp4_row_avx2(m, r, out);
+    return;
+  }
+  if (avx2 && m.spec.format == WeightFormat::kFP8) {
+    decode_fp8_row_avx2(m, r, out);
     return;
   }
 #endif
