@@ -43,5 +43,8 @@ Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats* stats = nullptr);
 double ep_max(double v);
 double ep_min(double v);
 void ep_barrier();
+// A barrier whose waiting ranks sleep instead of spinning (MPI's own barrier polls a core),
+// for waiting out another rank's measurement on a shared host.
+void ep_sleeping_barrier();
 
 }  // namespace moeinfer

@@ -131,9 +131,12 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     result.read_gbps = *bw;
   } else {
     result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
-    // Under expert parallelism the ranks share the host's memory: rank 0 measures it alone.
-    ep_barrier();
-    result.read_gbps = ep_max(ep_rank() == 0 ? cpu_read_gbps() : 0.0);
+    // Under expert parallelism the ranks share the host's memory: rank 0 measures it while the
+    // others sleep.
+    ep_sleeping_barrier();
+    const double measured = ep_rank() == 0 ? cpu_read_gbps() : 0.0;
+    ep_sleeping_barrier();
+    result.read_gbps = ep_max(measured);
     if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
 

@@ -490,7 +490,8 @@ int main(int argc, char** argv) {
     if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr) {
       // Not inside an MPI job yet: start one, each rank running this same command.
       if (!ep_built_with_mpi()) return fail(ep_init(&argc, &argv));
-      std::vector<std::string> args = {"mpirun", "--oversubscribe", "-np", std::to_string(ep_ranks)};
+      // Not bound to a core each: a rank runs threads, and rank 0 measures the memory alone.
+      std::vector<std::string> args = {"mpirun", "--oversubscribe", "--bind-to", "none", "-np", std::to_string(ep_ranks)};
       // The ranks share this host's cores: unless told otherwise, each gets its share.
       const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / static_cast<unsigned>(ep_ranks))).c_str(), 0);

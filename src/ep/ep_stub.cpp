@@ -16,5 +16,6 @@ Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats*) { return no_mpi()
 double ep_max(double v) { return v; }
 double ep_min(double v) { return v; }
 void ep_barrier() {}
+void ep_sleeping_barrier() {}
 
 }  // namespace moeinfer

@@ -3,6 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
+#include <thread>
+
 #include "cpu/moe_cpu.h"
 #include "moeinfer/ep.h"
 
@@ -61,6 +64,17 @@ double ep_max(double v) { return reduce_double(v, MPI_MAX); }
 double ep_min(double v) { return reduce_double(v, MPI_MIN); }
 void ep_barrier() {
   if (mpi_running()) MPI_Barrier(MPI_COMM_WORLD);
+}
+
+void ep_sleeping_barrier() {
+  if (!mpi_running()) return;
+  MPI_Request request;
+  MPI_Ibarrier(MPI_COMM_WORLD, &request);
+  for (int done = 0;;) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats* stats) {
