@@ -40,13 +40,17 @@ struct BenchConfig {
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;
+  // A Hugging Face checkpoint's MoE layer instead of the presets, in the format its files hold
+  // (`presets` and `formats` unused); `layer` -1 is the first MoE layer.
+  std::string checkpoint;
+  int layer = -1;
   // Expert parallelism (CPU backend over MPI): this process is one of `ep` ranks started by
   // mpirun; every rank runs run_bench, rank 0's result holds the rows.
   int ep = 1;
 };
 
 struct BenchRow {
-  std::string preset;
+  std::string preset;          // or "<checkpoint directory name> layer <L>"
   std::string format;
   std::string routing;
   int64_t tokens = 0;

@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <numeric>
 #include <set>
 #include <thread>
 
+#include "moeinfer/checkpoint.h"
 #include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
@@ -89,7 +92,8 @@ double cpu_read_gbps() {
 }  // namespace
 
 Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progress) {
-  if (cfg.presets.empty() || cfg.formats.empty() || cfg.tokens.empty() || cfg.routings.empty()) {
+  if ((cfg.checkpoint.empty() && (cfg.presets.empty() || cfg.formats.empty())) || cfg.tokens.empty() ||
+      cfg.routings.empty()) {
     return invalid_argument("bench: nothing to run (empty preset, format, token or routing list)");
   }
   if (cfg.inputs < 1 || cfg.reps < 1) return invalid_argument("bench: --inputs and --reps must be positive");
@@ -116,9 +120,28 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     if (!b.ok()) return b.status();
     host_backend = std::move(b).value();
   }
-  for (const std::string& p : cfg.presets) {
-    Result<const Preset*> found = find_preset(p);
-    if (!found.ok()) return found.status();
+  // What to run: every preset in every format, or the checkpoint's layer in its own format.
+  struct Source {
+    std::string name;
+    QuantSpec spec;
+  };
+  std::vector<Source> sources;
+  std::optional<Checkpoint> checkpoint;
+  int checkpoint_layer = cfg.layer;
+  if (!cfg.checkpoint.empty()) {
+    Result<Checkpoint> opened = Checkpoint::open(cfg.checkpoint);
+    if (!opened.ok()) return opened.status();
+    checkpoint.emplace(std::move(opened).value());
+    const std::vector<int>& moe_layers = checkpoint->config().moe_layers;
+    if (checkpoint_layer < 0) checkpoint_layer = moe_layers.empty() ? 0 : moe_layers.front();
+    const std::string dir = std::filesystem::path(cfg.checkpoint).lexically_normal().filename().string();
+    sources.push_back({fmt::format("{} layer {}", dir.empty() ? cfg.checkpoint : dir, checkpoint_layer), {}});
+  } else {
+    for (const std::string& p : cfg.presets) {
+      Result<const Preset*> found = find_preset(p);
+      if (!found.ok()) return found.status();
+      for (const QuantSpec& spec : cfg.formats) sources.push_back({p, spec});
+    }
   }
 
   BenchResult result;
@@ -141,103 +164,103 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   }
 
   const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
-  const int64_t total = static_cast<int64_t>(cfg.presets.size() * cfg.formats.size() * cfg.routings.size() * cfg.tokens.size());
+  const int64_t total = static_cast<int64_t>(sources.size() * cfg.routings.size() * cfg.tokens.size());
   int64_t done = 0;
-  for (const std::string& preset : cfg.presets) {
-    for (const QuantSpec& spec : cfg.formats) {
-      const std::string label = fmt::format("{} {}", preset, quant_spec_name(spec));
-      if (progress) progress(done, total, label + ": building weights");
-      Result<Layer> layer = make_preset_layer(preset, spec, cfg.seed);
-      if (!layer.ok()) return layer.status();
-      const LayerDesc& d = layer->desc;
-      std::unique_ptr<CudaMoe> moe;
-      std::string path, config;
-      if (cuda) {
-        Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, cfg.path, [&](int64_t e, int64_t all) {
-          if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
-        });
-        if (!made.ok()) return made.status();
-        moe = std::move(made).value();
-        path = path_name(moe->plan().path);
-        config = moe->plan().config;
-      } else {
-        path = backend_name(cfg.backend);
-      }
-      const double fixed_bytes = static_cast<double>(layer->resident_bytes());
-      for (TokenRouting routing : cfg.routings) {
-        for (int64_t n : cfg.tokens) {
-          if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
-          std::vector<std::vector<float>> batches;
-          double distinct = 0.0, mine = 0.0;  // distinct experts: all, and in this rank's slice
-          const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
-          for (int i = 0; i < cfg.inputs; ++i) {
-            batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
-            Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
-            if (!routes.ok()) return routes.status();
-            std::set<int> ids;
-            for (int id : routes->ids) {
-              if (id < d.num_experts) ids.insert(id);
-            }
-            distinct += static_cast<double>(ids.size());
-            std::vector<int> touched;  // on this rank
-            for (int id : ids) {
-              if (slice.owns(id)) touched.push_back(id);
-            }
-            mine += static_cast<double>(touched.size());
-            if (!cuda) MOEINFER_RETURN_IF_ERROR(layer->load_experts(touched));  // generated before the clock runs
+  for (const Source& source : sources) {
+    if (progress) progress(done, total, source.name + ": loading weights");
+    Result<Layer> layer = checkpoint ? checkpoint->load_layer(checkpoint_layer)
+                                     : make_preset_layer(source.name, source.spec, cfg.seed);
+    if (!layer.ok()) return layer.status();
+    const LayerDesc& d = layer->desc;
+    const std::string format = quant_spec_name(layer->expert_spec);
+    const std::string label = fmt::format("{} {}", source.name, format);
+    std::unique_ptr<CudaMoe> moe;
+    std::string path, config;
+    if (cuda) {
+      Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, cfg.path, [&](int64_t e, int64_t all) {
+        if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
+      });
+      if (!made.ok()) return made.status();
+      moe = std::move(made).value();
+      path = path_name(moe->plan().path);
+      config = moe->plan().config;
+    } else {
+      path = backend_name(cfg.backend);
+    }
+    const double fixed_bytes = static_cast<double>(layer->resident_bytes());
+    for (TokenRouting routing : cfg.routings) {
+      for (int64_t n : cfg.tokens) {
+        if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
+        std::vector<std::vector<float>> batches;
+        double distinct = 0.0, mine = 0.0;  // distinct experts: all, and in this rank's slice
+        const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
+        for (int i = 0; i < cfg.inputs; ++i) {
+          batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
+          Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
+          if (!routes.ok()) return routes.status();
+          std::set<int> ids;
+          for (int id : routes->ids) {
+            if (id < d.num_experts) ids.insert(id);
           }
-          distinct /= cfg.inputs;
-          mine /= cfg.inputs;
-          double time_us = 0.0, allreduce_us = 0.0;
-          if (cuda) {
-            Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps);
-            if (!t.ok()) return t.status();
-            time_us = *t;
-          } else {
-            std::vector<float> out(static_cast<size_t>(n * d.hidden));
-            std::vector<double> times, reduces;
-            for (int r = 0; r < cfg.reps; ++r) {
-              const std::vector<float>& x = batches[static_cast<size_t>(r % cfg.inputs)];
-              ep_barrier();  // the ranks start each call together
-              const double reduce_before = ep_stats.reduce_seconds;
-              const auto start = Clock::now();
-              MOEINFER_RETURN_IF_ERROR(host_backend->forward(*layer, x, n, out, nullptr));
-              // A call lasts until its slowest rank returns.
-              times.push_back(ep_max(std::chrono::duration<double, std::micro>(Clock::now() - start).count()));
-              reduces.push_back(ep_min((ep_stats.reduce_seconds - reduce_before) * 1e6));
-            }
-            std::sort(times.begin(), times.end());
-            std::sort(reduces.begin(), reduces.end());
-            time_us = times[times.size() / 2];
-            allreduce_us = reduces[reduces.size() / 2];
+          distinct += static_cast<double>(ids.size());
+          std::vector<int> touched;  // on this rank
+          for (int id : ids) {
+            if (slice.owns(id)) touched.push_back(id);
           }
-          BenchRow row;
-          row.preset = preset;
-          row.format = quant_spec_name(spec);
-          row.routing = token_routing_name(routing);
-          row.tokens = n;
-          row.backend = backend_name(cfg.backend);
-          row.path = moe ? path_name(moe->plan().path_for(n)) : path;
-          row.config = config;
-          row.time_us = time_us;
-          row.distinct_experts = distinct;
-          // The floor: every distinct routed expert once, the shared expert, the router, the
-          // tokens read and the output written.
-          row.bytes = distinct * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes +
-                      2.0 * static_cast<double>(n * d.hidden) * 4.0;
-          row.gbps = row.bytes / (time_us * 1e-6) / 1e9;
-          row.ranks = ep_size();
-          row.allreduce_us = allreduce_us;
-          // This rank reads its share of the distinct experts, the router (every rank routes),
-          // rank 0 also the shared expert, and the activations; the row keeps the largest.
-          const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
-          row.rank_bytes = ep_max(mine * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes -
-                                  (ep_rank() == 0 ? 0.0 : shared) + 2.0 * static_cast<double>(n * d.hidden) * 4.0);
-          row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;
-          row.fraction = row.floor_us / time_us;
-          result.rows.push_back(row);
-          ++done;
+          mine += static_cast<double>(touched.size());
+          if (!cuda) MOEINFER_RETURN_IF_ERROR(layer->load_experts(touched));  // generated before the clock runs
         }
+        distinct /= cfg.inputs;
+        mine /= cfg.inputs;
+        double time_us = 0.0, allreduce_us = 0.0;
+        if (cuda) {
+          Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps);
+          if (!t.ok()) return t.status();
+          time_us = *t;
+        } else {
+          std::vector<float> out(static_cast<size_t>(n * d.hidden));
+          std::vector<double> times, reduces;
+          for (int r = 0; r < cfg.reps; ++r) {
+            const std::vector<float>& x = batches[static_cast<size_t>(r % cfg.inputs)];
+            ep_barrier();  // the ranks start each call together
+            const double reduce_before = ep_stats.reduce_seconds;
+            const auto start = Clock::now();
+            MOEINFER_RETURN_IF_ERROR(host_backend->forward(*layer, x, n, out, nullptr));
+            // A call lasts until its slowest rank returns.
+            times.push_back(ep_max(std::chrono::duration<double, std::micro>(Clock::now() - start).count()));
+            reduces.push_back(ep_min((ep_stats.reduce_seconds - reduce_before) * 1e6));
+          }
+          std::sort(times.begin(), times.end());
+          std::sort(reduces.begin(), reduces.end());
+          time_us = times[times.size() / 2];
+          allreduce_us = reduces[reduces.size() / 2];
+        }
+        BenchRow row;
+        row.preset = source.name;
+        row.format = format;
+        row.routing = token_routing_name(routing);
+        row.tokens = n;
+        row.backend = backend_name(cfg.backend);
+        row.path = moe ? path_name(moe->plan().path_for(n)) : path;
+        row.config = config;
+        row.time_us = time_us;
+        row.distinct_experts = distinct;
+        // The floor: every distinct routed expert once, the shared expert, the router, the
+        // tokens read and the output written.
+        row.bytes = distinct * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes +
+                    2.0 * static_cast<double>(n * d.hidden) * 4.0;
+        row.gbps = row.bytes / (time_us * 1e-6) / 1e9;
+        row.ranks = ep_size();
+        row.allreduce_us = allreduce_us;
+        // This rank reads its share of the distinct experts, the router (every rank routes),
+        // rank 0 also the shared expert, and the activations; the row keeps the largest.
+        const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
+        row.rank_bytes = ep_max(mine * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes -
+                                (ep_rank() == 0 ? 0.0 : shared) + 2.0 * static_cast<double>(n * d.hidden) * 4.0);
+        row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;
+        row.fraction = row.floor_us / time_us;
+        result.rows.push_back(row);
+        ++done;
       }
     }
   }

@@ -150,9 +150,17 @@ struct BenchOptions {
   int reps = 20;
   uint64_t seed = 0;
   int ep = 1;  // ranks of expert parallelism (CPU, MPI)
+  std::string checkpoint;  // a Hugging Face directory instead of presets
+  int layer = -1;          // with --checkpoint: the MoE layer (default: the first one)
+  bool presets_or_formats_given = false;
 };
 
 int bench_command(const BenchOptions& opt) {
+  if (!opt.checkpoint.empty() && opt.presets_or_formats_given) {
+    return fail(invalid_argument("--preset and --format apply to presets; a checkpoint's layer and format come from "
+                                 "its files"));
+  }
+  if (opt.checkpoint.empty() && opt.layer >= 0) return fail(invalid_argument("--layer needs --checkpoint"));
   if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
   BenchConfig cfg;
   cfg.presets = split_list(opt.presets);
@@ -196,6 +204,8 @@ int bench_command(const BenchOptions& opt) {
   cfg.reps = opt.reps;
   cfg.seed = opt.seed;
   cfg.ep = opt.ep;
+  cfg.checkpoint = opt.checkpoint;
+  cfg.layer = opt.layer;
 
   // Under expert parallelism every rank measures; rank 0 alone reports and writes.
   const bool quiet = ep_rank() != 0;
@@ -441,8 +451,13 @@ int main(int argc, char** argv) {
 
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand("bench", "Time layer calls against the memory-bandwidth floor");
-  bench_cmd->add_option("--preset", bench.presets, "Comma-separated presets")->capture_default_str();
-  bench_cmd->add_option("--format", bench.formats, "Comma-separated formats")->capture_default_str();
+  CLI::Option* bench_preset_opt =
+      bench_cmd->add_option("--preset", bench.presets, "Comma-separated presets")->capture_default_str();
+  CLI::Option* bench_format_opt =
+      bench_cmd->add_option("--format", bench.formats, "Comma-separated formats")->capture_default_str();
+  bench_cmd->add_option("--checkpoint", bench.checkpoint,
+                        "A Hugging Face model directory instead of presets (its files' format)");
+  bench_cmd->add_option("--layer", bench.layer, "With --checkpoint: the MoE layer (default: the first)");
   bench_cmd->add_option("--tokens", bench.tokens, "Comma-separated token counts (N)")->capture_default_str();
   bench_cmd->add_option("--routing", bench.routing, "independent, correlated or both (comma-separated)")
       ->capture_default_str();
@@ -478,6 +493,7 @@ int main(int argc, char** argv) {
   }
 
   run.format_given = format_opt->count() > 0;
+  bench.presets_or_formats_given = bench_preset_opt->count() > 0 || bench_format_opt->count() > 0;
   const int ep_ranks = run_cmd->parsed() ? run.ep : (bench_cmd->parsed() ? bench.ep : 1);
   if (ep_ranks > 1) {
     // Refused before any rank starts: only the cpu backend has expert parallelism.
