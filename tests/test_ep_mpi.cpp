@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "cpu/moe_cpu.h"
+#include "moeinfer/bench.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "test_util.h"
@@ -60,6 +61,35 @@ std::vector<EpCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallel, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
+
+// The benchmark's expert-parallel bookkeeping: every rank gets the same rows; the largest
+// per-rank bytes lie between an even share and the whole (each rank reads its slice of the
+// distinct experts, all read the router, so the ranks' bytes sum to at least the total); the
+// all-reduce is timed apart.
+TEST(ExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
+  BenchConfig cfg;
+  cfg.presets = {"qwen3-30b-a3b"};
+  cfg.formats = {{WeightFormat::kBF16}};
+  cfg.tokens = {1, 3};
+  cfg.routings = {TokenRouting::kIndependent};
+  cfg.backend = BackendKind::kCpu;
+  cfg.reps = 2;
+  cfg.ep = ep_size();
+  const BenchResult result = take(run_bench(cfg));
+  ASSERT_EQ(result.rows.size(), 2u);
+  for (const BenchRow& r : result.rows) {
+    EXPECT_EQ(r.ranks, ep_size());
+    EXPECT_EQ(ep_max(r.time_us), ep_min(r.time_us)) << "ranks disagree on N=" << r.tokens;
+    EXPECT_EQ(ep_max(r.rank_bytes), ep_min(r.rank_bytes));
+    EXPECT_LE(r.rank_bytes, r.bytes);
+    EXPECT_GE(r.rank_bytes * ep_size(), r.bytes);
+    if (ep_size() > 1) {
+      EXPECT_LT(r.rank_bytes, r.bytes) << "a rank read every expert";
+      EXPECT_GT(r.allreduce_us, 0.0);
+      EXPECT_LT(r.allreduce_us, r.time_us);
+    }
+  }
+}
 
 }  // namespace
 }  // namespace moeinfer
