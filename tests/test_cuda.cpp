@@ -105,8 +105,6 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
   EXPECT_EQ(moe->forward(x.ptr, 5, out.ptr, nullptr).message(), "5 tokens: this CudaMoe was planned for 1 to 4");
   EXPECT_EQ(moe->forward(x.ptr, 0, out.ptr, nullptr).message(), "0 tokens: this CudaMoe was planned for 1 to 4");
   EXPECT_EQ(moe->forward(nullptr, 1, out.ptr, nullptr).message(), "forward: null input or output pointer");
-  EXPECT_EQ(moe->forward(x.ptr + 1, 1, out.ptr, nullptr).message(),
-            "forward: the input must be 16-byte aligned (the kernels read 4 floats at a time)");
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
