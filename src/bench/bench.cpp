@@ -188,12 +188,13 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
       path = backend_name(cfg.backend);
     }
     const double fixed_bytes = static_cast<double>(layer->resident_bytes());
+    const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
+    const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());  // this rank's experts
     for (TokenRouting routing : cfg.routings) {
       for (int64_t n : cfg.tokens) {
         if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
         std::vector<std::vector<float>> batches;
         double distinct = 0.0, mine = 0.0;  // distinct experts: all, and in this rank's slice
-        const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
         for (int i = 0; i < cfg.inputs; ++i) {
           batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
           Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
@@ -254,7 +255,6 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.allreduce_us = allreduce_us;
         // This rank reads its share of the distinct experts, the router (every rank routes),
         // rank 0 also the shared expert, and the activations; the row keeps the largest.
-        const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
         row.rank_bytes = ep_max(mine * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes -
                                 (ep_rank() == 0 ? 0.0 : shared) + 2.0 * static_cast<double>(n * d.hidden) * 4.0);
         row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;

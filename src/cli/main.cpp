@@ -264,10 +264,7 @@ int run_command(const RunOptions& opt) {
   }
   if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
   const bool ep = opt.ep > 1;
-  if (ep && *kind != BackendKind::kCpu && *kind != BackendKind::kAuto) {
-    return fail(unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
-                                        "parallelism yet (NCCL on GPUs is not built)", backend_name(*kind))));
-  }
+  // A backend other than cpu under --ep was refused in main, before any rank started.
   if (ep && ep_size() != opt.ep) {
     return fail(internal_error(fmt::format("--ep {} but this job has {} MPI ranks", opt.ep, ep_size())));
   }
