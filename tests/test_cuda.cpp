@@ -1,9 +1,11 @@
 // CUDA-only tests: graph capture and replay, and the device-level API's refusals. Built when
 // the CUDA backend is; skipped, with the reason, on a machine without a usable GPU.
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -13,6 +15,7 @@
 
 #include "moeinfer/backend.h"
 #include "moeinfer/cuda.h"
+#include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
 #include "test_util.h"
@@ -117,6 +120,147 @@ TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
   EXPECT_EQ(s.code(), StatusCode::kUnsupported);
   EXPECT_EQ(s.message(), "path token-major cannot run this layer: hidden_size 100 is not a multiple of 8 (token-major "
                          "loads 8 weights at a time)");
+}
+
+// ---- expert parallelism ---------------------------------------------------------------------
+
+struct EpCase {
+  const char* name;
+  Family family;
+  FamilyShape shape;
+  int64_t tokens;
+};
+
+std::vector<EpCase> ep_cases() {
+  return {
+      {"shared_gated", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 10, .top_k = 3, .shared_intermediate = 32}, 5},
+      {"zero_experts", Family::kLongcatFlash, {.hidden = 32, .intermediate = 16, .num_experts = 7, .top_k = 4, .num_zero_experts = 4, .norm_topk_prob = false, .routed_scaling_factor = 6.0}, 6},
+      {"groups", Family::kDeepseekV3, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 4, .shared_intermediate = 16, .routed_scaling_factor = 2.5, .n_group = 4, .topk_group = 2}, 40},
+      {"input_scaled", Family::kLlama4, {.hidden = 32, .intermediate = 16, .num_experts = 5, .top_k = 1, .shared_intermediate = 16}, 3},
+      {"biases", Family::kGptOss, {.hidden = 32, .intermediate = 16, .num_experts = 6, .top_k = 2}, 4},
+      // One token, one route: every rank but one has nothing to do.
+      {"idle_ranks", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 1}, 1},
+      // Fewer experts than ranks at 3 ranks: a rank owns none.
+      {"empty_slice", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 2, .top_k = 2}, 3},
+  };
+}
+
+class CudaEp : public Cuda {};
+
+// Every rank of an expert-parallel layer on this one GPU, each uploading only its slice: the
+// partial outputs must sum to the whole layer's output, on every path, with uneven slices,
+// ranks that get no route or own no expert, and the shared and zero experts added once.
+TEST_F(CudaEp, RankSlicesSumToTheWholeLayer) {
+  int checked = 0;
+  for (const EpCase& c : ep_cases()) {
+    const LayerDesc d = family_layer(c.family, c.shape);
+    const int64_t n = c.tokens, h = d.hidden;
+    const std::vector<float> x = make_tokens(n, h, 23);
+    const Layer whole = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 9));
+    std::vector<float> expected(static_cast<size_t>(n * h));
+    ASSERT_OK(moe_forward_reference(whole, x, n, expected));
+    DeviceArray<float> dx(static_cast<size_t>(n * h)), dout(static_cast<size_t>(n * h));
+    dx.put(x);
+    for (PathKind path : {PathKind::kExpertMajor, PathKind::kTokenMajor, PathKind::kPerRow}) {
+      std::unique_ptr<CudaMoe> one = take(CudaMoe::create(whole, n, CudaMoeOptions{.path = path}));
+      dout.poison();
+      ASSERT_OK(one->forward(dx.ptr, n, dout.ptr, nullptr));
+      const std::vector<float> single = dout.get();
+      for (int ranks : {2, 3, 4}) {
+        std::vector<double> sum(static_cast<size_t>(n * h), 0.0);
+        for (int rank = 0; rank < ranks; ++rank) {
+          // A fresh layer per rank: what it loads is what that rank uploaded.
+          const Layer mine = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 9));
+          std::unique_ptr<CudaMoe> part =
+              take(CudaMoe::create(mine, n, CudaMoeOptions{.path = path, .rank = rank, .ranks = ranks}));
+          const ExpertSlice slice = expert_slice(d.num_experts, rank, ranks);
+          EXPECT_EQ(mine.loaded_experts(), slice.end - slice.begin) << c.name << " rank " << rank << " of " << ranks;
+          EXPECT_EQ(part->rank(), rank);
+          dout.poison();
+          ASSERT_OK(part->forward(dx.ptr, n, dout.ptr, nullptr));
+          const std::vector<float> partial = dout.get();
+          for (size_t i = 0; i < partial.size(); ++i) {
+            ASSERT_TRUE(std::isfinite(partial[i])) << c.name << " rank " << rank << ": element " << i << " not written";
+            sum[i] += partial[i];
+          }
+        }
+        const std::vector<float> got(sum.begin(), sum.end());
+        const std::string who = fmt::format("{} {} over {} ranks", c.name, path_name(path), ranks);
+        // The same per-route outputs summed in another order: a few ulps. A lost route or a
+        // shared expert added twice is a whole term, >= 1e-2 relative.
+        EXPECT_LE(testing::rel_l2(got, single), 1e-5) << who << " against one rank";
+        EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << who << " against the reference";
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 7 * 3 * 3);
+}
+
+// The NCCL code path with the one rank this machine can give: the all-reduce is captured in the
+// same CUDA graph as the layer, replays with new inputs, and the expert-parallel backend returns
+// the layer's output.
+TEST_F(CudaEp, OneRankAllReduceInAGraph) {
+  if (!cuda_has_nccl()) GTEST_SKIP() << "this build has no NCCL: the GPU all-reduce is not tested";
+  ASSERT_EQ(ep_size(), 1) << "run this binary without mpirun";
+  std::unique_ptr<CudaAllReduce> reduce = take(CudaAllReduce::create());
+  ASSERT_EQ(reduce->ranks(), 1);
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 64, .num_experts = 32, .top_k = 4,
+                                                        .shared_intermediate = 64});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 4));
+  const int64_t n = 6, h = d.hidden;
+  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, CudaMoeOptions{.path = std::nullopt, .rank = 0, .ranks = 1}));
+  DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  x.put(make_tokens(n, h, 1));
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
+  ASSERT_OK(reduce->sum(out.ptr, n * h, stream));
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (uint64_t seed = 2; seed <= 4; ++seed) {
+    const std::vector<float> tokens = make_tokens(n, h, seed);
+    x.put(tokens);
+    out.poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> replayed = out.get();
+    out.poison();
+    ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> eager = out.get();
+    EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float)), 0) << "seed " << seed;
+    std::vector<float> expected(tokens.size());
+    ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+    EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+
+  EpStats stats;
+  std::unique_ptr<Backend> backend = take(make_cuda_ep_backend(std::nullopt, &stats));
+  const std::vector<float> tokens = make_tokens(n, h, 7);
+  std::vector<float> got(tokens.size(), std::nanf("")), expected(tokens.size());
+  ForwardInfo info;
+  ASSERT_OK(backend->forward(layer, tokens, n, got, &info));
+  ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+  EXPECT_LE(testing::rel_l2(got, expected), 1e-2);
+  EXPECT_EQ(stats.reduces, 1);
+  EXPECT_GT(stats.reduce_seconds, 0.0);
+  EXPECT_NE(info.detail.find("rank 0 of 1"), std::string::npos) << info.detail;
+}
+
+TEST_F(CudaEp, BadRankIsANamedError) {
+  const LayerDesc d = family_layer(Family::kMixtral, {.hidden = 64, .intermediate = 32, .num_experts = 4, .top_k = 2});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  EXPECT_EQ(CudaMoe::create(layer, 4, CudaMoeOptions{.path = std::nullopt, .rank = 2, .ranks = 2}).status().message(),
+            "expert parallelism: rank 2 of 2 ranks");
+  EXPECT_EQ(CudaMoe::create(layer, 4, CudaMoeOptions{.path = std::nullopt, .rank = 0, .ranks = 0}).status().message(),
+            "expert parallelism: rank 0 of 0 ranks");
 }
 
 // The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;

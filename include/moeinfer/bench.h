@@ -44,9 +44,10 @@ struct BenchConfig {
   // (`presets` and `formats` unused); `layer` -1 is the first MoE layer.
   std::string checkpoint;
   int layer = -1;
-  // Expert parallelism (CPU backend over MPI): this process is one of `ep` ranks started by
-  // mpirun; every rank runs run_bench, rank 0's result holds the rows.
-  int ep = 1;
+  // Expert parallelism: 0 for none; otherwise this process is one of `ep` ranks started by
+  // mpirun (1: this process alone), every rank runs run_bench, and rank 0's result holds the
+  // rows. cpu ranks sum over MPI; cuda ranks take one GPU each and sum over NCCL.
+  int ep = 0;
 };
 
 struct BenchRow {
@@ -63,11 +64,13 @@ struct BenchRow {
   double gbps = 0;             // bytes / time
   double floor_us = 0;         // bytes / measured read bandwidth
   double fraction = 0;         // floor_us / time_us
-  // Expert parallelism: ranks, the most bytes any one rank must read (its slice of the distinct
-  // experts; rank 0 also the shared expert), and the all-reduce of the partial outputs per call
-  // (the fastest rank's, i.e. the communication without waiting for the others). time_us is
-  // then the slowest rank's call, barrier to return.
-  int ranks = 1;
+  // Expert parallelism (ranks 0 without it): ranks, the most bytes any one rank must read (its
+  // slice of the distinct experts; rank 0 also the shared expert), and the all-reduce of the
+  // partial outputs per call (the fastest rank's, i.e. the communication without waiting for
+  // the others; on GPUs timed alone over graph replays). time_us is then the slowest rank's
+  // call. On GPUs, whose ranks read their own memory in parallel, floor_us is rank_bytes over
+  // the slowest GPU's read bandwidth; on CPUs, which share the host's, bytes over it.
+  int ranks = 0;
   double rank_bytes = 0;
   double allreduce_us = 0;
 };

@@ -13,16 +13,29 @@
 #include <vector>
 
 #include "moeinfer/backend.h"
+#include "moeinfer/ep.h"
 #include "moeinfer/plan.h"
 #include "moeinfer/status.h"
 #include "moeinfer/weights.h"
 
 namespace moeinfer {
 
+struct CudaMoeOptions {
+  std::optional<PathKind> path;  // force a path; nullopt lets plan() choose
+  // Expert parallelism (DESIGN.md section 6): rank `rank` of `ranks` uploads and runs only its
+  // slice of the routed experts (expert_slice in ep.h); rank 0 also the shared expert and the
+  // zero experts. forward() then writes this rank's partial output; CudaAllReduce sums them.
+  int rank = 0;
+  int ranks = 1;
+};
+
 class CudaMoe {
  public:
-  // Uploads every routed expert (loading them from the layer's loader as needed), the router
+  // Uploads the routed experts (loading them from the layer's loader as needed), the router
   // and the shared expert to the current device, and plans scratch for max_tokens tokens.
+  // Under expert parallelism only this rank's experts are loaded and uploaded.
+  static Result<std::unique_ptr<CudaMoe>> create(const Layer& layer, int64_t max_tokens,
+                                                 const CudaMoeOptions& options, const ProgressFn& progress = {});
   static Result<std::unique_ptr<CudaMoe>> create(const Layer& layer, int64_t max_tokens,
                                                  std::optional<PathKind> path = std::nullopt,
                                                  const ProgressFn& progress = {});
@@ -35,6 +48,8 @@ class CudaMoe {
 
   const Plan& plan() const;
   const LayerDesc& desc() const;
+  int rank() const;   // CudaMoeOptions::rank
+  int ranks() const;  // CudaMoeOptions::ranks
   uint64_t layer_id() const;       // the Layer::id() it was made from
   int64_t weight_bytes() const;    // device bytes of the uploaded weights
   int64_t workspace_bytes() const;
@@ -44,6 +59,48 @@ class CudaMoe {
   explicit CudaMoe(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// ---- expert parallelism over NCCL -------------------------------------------------------------
+
+// GPUs this process can see (0 without a driver or device).
+int cuda_device_count();
+
+// This build sums over GPU ranks with NCCL (found beside the CUDA toolkit when configured).
+bool cuda_has_nccl();
+
+// Makes this rank's GPU current: local rank r of a host (ep_local_rank in ep.h) takes device r.
+// A named error when the host has fewer GPUs than ranks. Call it before anything else touches
+// the GPU.
+Status cuda_use_rank_device();
+
+// The sum of the ranks' partial outputs: one NCCL communicator over every rank of the job
+// (ep_rank/ep_size; a single rank when no MPI job runs), on the current device. create() is
+// collective: every rank calls it. In a build without NCCL it returns "unavailable".
+class CudaAllReduce {
+ public:
+  static Result<std::unique_ptr<CudaAllReduce>> create();
+  ~CudaAllReduce();
+  CudaAllReduce(const CudaAllReduce&) = delete;
+  CudaAllReduce& operator=(const CudaAllReduce&) = delete;
+
+  // In place: data (device, `count` floats) becomes the sum over the ranks. Enqueued on `stream`
+  // (a cudaStream_t) without host synchronisation, so it can be captured in a CUDA graph; every
+  // rank must make the same calls in the same order.
+  Status sum(float* data, int64_t count, void* stream) const;
+  int rank() const;
+  int ranks() const;
+
+ private:
+  struct Impl;
+  explicit CudaAllReduce(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The host-memory Backend under expert parallelism: this rank's slice on its GPU
+// (cuda_use_rank_device first), the partial outputs summed by CudaAllReduce; every rank returns
+// the whole layer output. With `stats`, the all-reduce is timed into it (stats must outlive the
+// backend).
+Result<std::unique_ptr<Backend>> make_cuda_ep_backend(std::optional<PathKind> path, EpStats* stats = nullptr);
 
 // ---- measurement (the benchmark's instruments) ----------------------------------------------
 
@@ -55,8 +112,12 @@ Result<double> cuda_read_bandwidth(int64_t bytes = int64_t{4} << 30);
 // Median microseconds per forward of `n` tokens, timed with CUDA events over CUDA-graph replays:
 // one graph per token batch (each [n, H] floats, host memory), replayed in rotation so routing
 // and experts change from call to call; `reps` rounds over all batches, the median round counts.
+// With `reduce`, each graph also sums the ranks' outputs (the expert-parallel call); every rank
+// must then time the same batches.
 Result<double> cuda_time_forward(const CudaMoe& moe, const std::vector<std::vector<float>>& batches, int64_t n,
-                                 int reps);
+                                 int reps, const CudaAllReduce* reduce = nullptr);
+// Median microseconds of the all-reduce alone over `count` floats, timed like cuda_time_forward.
+Result<double> cuda_time_all_reduce(const CudaAllReduce& reduce, int64_t count, int reps);
 
 // The host-memory Backend over CudaMoe: uploads a layer on first use (again when a different
 // layer or a larger N comes), copies x in and the result out.

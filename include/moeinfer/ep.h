@@ -1,7 +1,8 @@
 // Expert parallelism (DESIGN.md section 6): each rank owns a contiguous slice of the routed
 // experts; routing runs on every rank; a route to another rank's expert contributes zero here;
 // the shared expert and the identity (zero) experts are added once, by rank 0; an all-reduce
-// sums the partial outputs. On CPUs the ranks are MPI processes (launched by mpirun).
+// sums the partial outputs. The ranks are MPI processes (launched by mpirun): on CPUs MPI sums
+// the outputs, on GPUs NCCL (cuda.h), one GPU per rank.
 #pragma once
 
 #include <memory>
@@ -26,6 +27,11 @@ Status ep_init(int* argc, char*** argv);
 void ep_finalize();
 int ep_rank();  // 0 before ep_init
 int ep_size();  // 1 before ep_init
+// This rank's index among the ranks on its host (0 before ep_init): which GPU it takes.
+int ep_local_rank();
+// Copies `bytes` bytes at `data` from rank 0 to every rank (collective); without MPI, or before
+// ep_init, nothing to do.
+Status ep_broadcast(void* data, int64_t bytes);
 
 // Time this rank spent in the all-reduce of the partial outputs, over all calls so far.
 struct EpStats {

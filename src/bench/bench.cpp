@@ -104,10 +104,10 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   if (cfg.backend != BackendKind::kCuda && cfg.backend != BackendKind::kReference && cfg.backend != BackendKind::kCpu) {
     return invalid_argument("bench: --backend must be cuda, cpu or reference");
   }
-  const bool ep = cfg.ep > 1;
-  if (ep && cfg.backend != BackendKind::kCpu) {
-    return unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
-                                   "parallelism yet (NCCL on GPUs is not built)",
+  if (cfg.ep < 0) return invalid_argument(fmt::format("bench: --ep must be at least 1 (got {})", cfg.ep));
+  const bool ep = cfg.ep > 0;
+  if (ep && cfg.backend != BackendKind::kCpu && cfg.backend != BackendKind::kCuda) {
+    return unsupported(fmt::format("expert parallelism runs on the cpu (MPI) and cuda (NCCL) backends, not '{}'",
                                    backend_name(cfg.backend)));
   }
   if (ep && ep_size() != cfg.ep) {
@@ -115,6 +115,13 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   }
   std::unique_ptr<Backend> host_backend;
   EpStats ep_stats;
+  std::unique_ptr<CudaAllReduce> all_reduce;  // GPU expert parallelism
+  if (cuda && ep) {
+    MOEINFER_RETURN_IF_ERROR(cuda_use_rank_device());
+    Result<std::unique_ptr<CudaAllReduce>> made = CudaAllReduce::create();
+    if (!made.ok()) return made.status();
+    all_reduce = std::move(made).value();
+  }
   if (!cuda) {
     Result<std::unique_ptr<Backend>> b = ep ? make_cpu_ep_backend(&ep_stats) : make_backend(cfg.backend);
     if (!b.ok()) return b.status();
@@ -151,7 +158,9 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     result.device = *name;
     Result<double> bw = cuda_read_bandwidth();
     if (!bw.ok()) return bw.status();
-    result.read_gbps = *bw;
+    // Each rank reads its own GPU's memory: the slowest GPU bounds the call.
+    result.read_gbps = ep_min(*bw);
+    if (ep) result.device += fmt::format(", {} rank{} (one GPU each, NCCL)", cfg.ep, cfg.ep == 1 ? "" : "s");
   } else {
     result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
     // Under expert parallelism the ranks share the host's memory: rank 0 measures it while the
@@ -177,7 +186,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     std::unique_ptr<CudaMoe> moe;
     std::string path, config;
     if (cuda) {
-      Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, cfg.path, [&](int64_t e, int64_t all) {
+      const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size()};
+      Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
         if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
       });
       if (!made.ok()) return made.status();
@@ -215,9 +225,14 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         mine /= cfg.inputs;
         double time_us = 0.0, allreduce_us = 0.0;
         if (cuda) {
-          Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps);
+          Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps, all_reduce.get());
           if (!t.ok()) return t.status();
-          time_us = *t;
+          time_us = ep_max(*t);  // a call lasts until its slowest rank is done
+          if (all_reduce) {
+            Result<double> r = cuda_time_all_reduce(*all_reduce, n * d.hidden, cfg.reps);
+            if (!r.ok()) return r.status();
+            allreduce_us = ep_min(*r);
+          }
         } else {
           std::vector<float> out(static_cast<size_t>(n * d.hidden));
           std::vector<double> times, reduces;
@@ -251,13 +266,14 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.bytes = distinct * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes +
                     2.0 * static_cast<double>(n * d.hidden) * 4.0;
         row.gbps = row.bytes / (time_us * 1e-6) / 1e9;
-        row.ranks = ep_size();
+        row.ranks = ep ? ep_size() : 0;
         row.allreduce_us = allreduce_us;
         // This rank reads its share of the distinct experts, the router (every rank routes),
         // rank 0 also the shared expert, and the activations; the row keeps the largest.
         row.rank_bytes = ep_max(mine * static_cast<double>(layer->routed_expert_bytes()) + fixed_bytes -
                                 (ep_rank() == 0 ? 0.0 : shared) + 2.0 * static_cast<double>(n * d.hidden) * 4.0);
-        row.floor_us = row.bytes / (result.read_gbps * 1e9) * 1e6;
+        // CPU ranks share one host's memory; GPU ranks each read their own, in parallel.
+        row.floor_us = (cuda && ep ? row.rank_bytes : row.bytes) / (result.read_gbps * 1e9) * 1e6;
         row.fraction = row.floor_us / time_us;
         result.rows.push_back(row);
         ++done;
@@ -270,7 +286,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
 
 std::string BenchResult::table() const {
   // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce.
-  const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 1; });
+  const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 0; });
   std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s\n", device, read_gbps);
   s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}", "preset", "format",
                    "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor");

@@ -19,6 +19,7 @@
 #include "moeinfer/backend.h"
 #include "moeinfer/bench.h"
 #include "moeinfer/checkpoint.h"
+#include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/safetensors.h"
 #include "moeinfer/presets.h"
@@ -149,7 +150,7 @@ struct BenchOptions {
   int inputs = 8;
   int reps = 20;
   uint64_t seed = 0;
-  int ep = 1;  // ranks of expert parallelism (CPU, MPI)
+  int ep = 0;  // ranks of expert parallelism; 0: none (main resolves the backend first)
   std::string checkpoint;  // a Hugging Face directory instead of presets
   int layer = -1;          // with --checkpoint: the MoE layer (default: the first one)
   bool presets_or_formats_given = false;
@@ -161,7 +162,6 @@ int bench_command(const BenchOptions& opt) {
                                  "its files"));
   }
   if (opt.checkpoint.empty() && opt.layer >= 0) return fail(invalid_argument("--layer needs --checkpoint"));
-  if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
   BenchConfig cfg;
   cfg.presets = split_list(opt.presets);
   for (const std::string& f : split_list(opt.formats)) {
@@ -188,7 +188,6 @@ int bench_command(const BenchOptions& opt) {
   }
   Result<BackendKind> kind = parse_backend(opt.backend);
   if (!kind.ok()) return fail(kind.status());
-  if (*kind == BackendKind::kAuto && opt.ep > 1) *kind = BackendKind::kCpu;  // expert parallelism runs on CPUs
   if (*kind == BackendKind::kAuto) {
     Result<std::unique_ptr<Backend>> best = make_backend(BackendKind::kAuto);
     if (!best.ok()) return fail(best.status());
@@ -244,7 +243,7 @@ struct RunOptions {
   std::string backend = "auto";
   std::string path;
   int iters = 1;
-  int ep = 1;  // ranks of expert parallelism (CPU, MPI)
+  int ep = 0;  // ranks of expert parallelism; 0: none (main resolves the backend first)
   bool explain = false;
   bool check = false;
 };
@@ -262,13 +261,15 @@ int run_command(const RunOptions& opt) {
     if (!path.ok()) return fail(path.status());
     options.path = *path;
   }
-  if (opt.ep < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", opt.ep)));
-  const bool ep = opt.ep > 1;
-  // A backend other than cpu under --ep was refused in main, before any rank started.
+  const bool ep = opt.ep > 0;
+  // main resolved the backend of --ep (cpu or cuda) and refused the others before any rank started.
   if (ep && ep_size() != opt.ep) {
     return fail(internal_error(fmt::format("--ep {} but this job has {} MPI ranks", opt.ep, ep_size())));
   }
-  Result<std::unique_ptr<Backend>> backend = ep ? make_cpu_ep_backend() : make_backend(*kind, options);
+  const bool cuda_ep = ep && *kind == BackendKind::kCuda;
+  Result<std::unique_ptr<Backend>> backend = !ep       ? make_backend(*kind, options)
+                                             : cuda_ep ? make_cuda_ep_backend(options.path)
+                                                       : make_cpu_ep_backend();
   if (!backend.ok()) return fail(backend.status());
   // Under expert parallelism every rank computes; rank 0 alone reports and writes.
   const bool quiet = ep_rank() != 0;
@@ -366,7 +367,12 @@ int run_command(const RunOptions& opt) {
              human_bytes(layer->routed_expert_bytes()), quant_spec_name(layer->router.spec));
   fmt::print("  tokens    {}\n", opt.input.empty() ? fmt::format("{} (seed {})", n, opt.seed) : fmt::format("{} from {}", n, opt.input));
   fmt::print("  backend   {} (path: {}; {})\n", backend_name((*backend)->kind()), info.path, info.detail);
-  if (ep) fmt::print("  ep        {} ranks (MPI), partial outputs summed with MPI_Allreduce\n", opt.ep);
+  if (cuda_ep) {
+    fmt::print("  ep        {} rank{}, one GPU each, partial outputs summed with ncclAllReduce\n", opt.ep,
+               opt.ep == 1 ? "" : "s");
+  } else if (ep) {
+    fmt::print("  ep        {} ranks (MPI), partial outputs summed with MPI_Allreduce\n", opt.ep);
+  }
   fmt::print("  experts   {} of {} touched, built and prepared in {:.2f} s\n", touched_count, d.num_experts,
              build_seconds);
   fmt::print("  time      {:.3f} ms per call (median of {}, host to host)\n", median_ms, opt.iters);
@@ -440,8 +446,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--iters", run.iters, "Timed calls; the median is reported")->capture_default_str();
   run_cmd->add_option("--path", run.path, "Force a CUDA path: expert-major, token-major or per-row (default: plan() chooses)");
   run_cmd->add_flag("--explain", run.explain, "Print the plan: the path chosen and why");
-  run_cmd->add_option("--ep", run.ep, "Expert parallelism over this many CPU ranks (launched through mpirun)")
-      ->capture_default_str();
+  CLI::Option* run_ep_opt = run_cmd->add_option(
+      "--ep", run.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");
   run_cmd->add_flag("--check", run.check, "Also run the CPU reference and report the relative L2 error");
 
   app.add_subcommand("presets", "List the presets and their shapes");
@@ -460,8 +466,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--backend", bench.backend, "cuda, cpu, reference or auto")->capture_default_str();
   bench_cmd->add_option("--path", bench.path, "Force a CUDA path: expert-major, token-major or per-row");
-  bench_cmd->add_option("--ep", bench.ep, "Expert parallelism over this many CPU ranks (launched through mpirun)")
-      ->capture_default_str();
+  CLI::Option* bench_ep_opt = bench_cmd->add_option(
+      "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");
   bench_cmd->add_option("--inputs", bench.inputs, "Rotating token batches per row (at least 8 keeps L2 honest)")
       ->capture_default_str();
   bench_cmd->add_option("--reps", bench.reps, "Timed rounds over all batches; the median is reported")->capture_default_str();
@@ -491,15 +497,37 @@ int main(int argc, char** argv) {
 
   run.format_given = format_opt->count() > 0;
   bench.presets_or_formats_given = bench_preset_opt->count() > 0 || bench_format_opt->count() > 0;
-  const int ep_ranks = run_cmd->parsed() ? run.ep : (bench_cmd->parsed() ? bench.ep : 1);
-  if (ep_ranks > 1) {
-    // Refused before any rank starts: only the cpu backend has expert parallelism.
-    const std::string& backend = run_cmd->parsed() ? run.backend : bench.backend;
-    if (backend != "cpu" && backend != "auto" && parse_backend(backend).ok()) {
-      return fail(unsupported(fmt::format("--ep runs the cpu backend over MPI ranks; backend '{}' has no expert "
-                                          "parallelism yet (NCCL on GPUs is not built)",
-                                          backend)));
+  const bool ep_given = (run_cmd->parsed() && run_ep_opt->count() > 0) || (bench_cmd->parsed() && bench_ep_opt->count() > 0);
+  int& ep_ranks = run_cmd->parsed() ? run.ep : bench.ep;
+  if (ep_given) {
+    // Settled before any rank starts: the backend, and whether this host can run the ranks.
+    if (ep_ranks < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", ep_ranks)));
+    std::string& backend = run_cmd->parsed() ? run.backend : bench.backend;
+    Result<BackendKind> kind = parse_backend(backend);
+    if (!kind.ok()) return fail(kind.status());
+    if (*kind == BackendKind::kAuto) {  // GPUs when there is one per rank
+      const bool gpus = make_backend(BackendKind::kCuda).ok() && cuda_device_count() >= ep_ranks;
+      *kind = gpus ? BackendKind::kCuda : BackendKind::kCpu;
+      backend = backend_name(*kind);
     }
+    if (*kind != BackendKind::kCpu && *kind != BackendKind::kCuda) {
+      return fail(unsupported(fmt::format(
+          "--ep runs on the cpu backend (MPI processes) or the cuda backend (one GPU per rank, NCCL), not '{}'",
+          backend)));
+    }
+    if (*kind == BackendKind::kCuda) {
+      const int gpus = cuda_device_count();
+      if (gpus < ep_ranks) {
+        return fail(unavailable(fmt::format("--ep {} on cuda needs one GPU per rank; this host has {}", ep_ranks, gpus)));
+      }
+      Result<std::unique_ptr<Backend>> cuda = make_backend(BackendKind::kCuda);
+      if (!cuda.ok()) return fail(cuda.status());
+      if (!cuda_has_nccl()) return fail(CudaAllReduce::create().status());
+    }
+    // One CPU rank is the plain cpu backend; one GPU rank runs the NCCL path in this process.
+    if (*kind == BackendKind::kCpu && ep_ranks == 1) ep_ranks = 0;
+  }
+  if (ep_ranks > 1) {
     if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr) {
       // Not inside an MPI job yet: start one, each rank running this same command.
       if (!ep_built_with_mpi()) return fail(ep_init(&argc, &argv));

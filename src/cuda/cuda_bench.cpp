@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "cuda/moe_kernels.cuh"
@@ -83,40 +84,31 @@ Result<double> cuda_read_bandwidth(int64_t bytes) {
   return median(gbps);
 }
 
-Result<double> cuda_time_forward(const CudaMoe& moe, const std::vector<std::vector<float>>& batches, int64_t n,
-                                 int reps) {
-  if (batches.empty() || reps < 1) return invalid_argument("cuda_time_forward: no batches or no repetitions");
-  const int64_t h = moe.desc().hidden;
-  Cleanup c;
-  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  void* out = nullptr;
-  MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&out, static_cast<size_t>(n * h) * sizeof(float)), "cudaMalloc (output)"));
-  c.device.push_back(out);
-  // One input buffer and one captured graph per batch: a replay reads its own tokens, so the
-  // timed work is exactly the layer's.
-  for (const std::vector<float>& b : batches) {
-    if (static_cast<int64_t>(b.size()) != n * h) return invalid_argument("cuda_time_forward: batch of the wrong size");
-    void* x = nullptr;
-    MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&x, b.size() * sizeof(float)), "cudaMalloc (input)"));
-    c.device.push_back(x);
-    MOEINFER_RETURN_IF_ERROR(check(cudaMemcpy(x, b.data(), b.size() * sizeof(float), cudaMemcpyHostToDevice), "copy input"));
-    cudaGraph_t graph;
-    MOEINFER_RETURN_IF_ERROR(check(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal), "begin capture"));
-    const Status st = moe.forward(static_cast<const float*>(x), n, static_cast<float*>(out), c.stream);
-    const cudaError_t end = cudaStreamEndCapture(c.stream, &graph);
-    MOEINFER_RETURN_IF_ERROR(st);
-    MOEINFER_RETURN_IF_ERROR(check(end, "end capture"));
-    c.graphs.push_back(graph);
-    cudaGraphExec_t exec;
-    MOEINFER_RETURN_IF_ERROR(check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"));
-    c.execs.push_back(exec);
-  }
+namespace {
+
+// Captures one graph of whatever `enqueue` puts on c.stream.
+Status capture(Cleanup& c, const std::function<Status()>& enqueue) {
+  cudaGraph_t graph;
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal), "begin capture"));
+  const Status st = enqueue();
+  const cudaError_t end = cudaStreamEndCapture(c.stream, &graph);
+  MOEINFER_RETURN_IF_ERROR(st);
+  MOEINFER_RETURN_IF_ERROR(check(end, "end capture"));
+  c.graphs.push_back(graph);
+  cudaGraphExec_t exec;
+  MOEINFER_RETURN_IF_ERROR(check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"));
+  c.execs.push_back(exec);
+  return {};
+}
+
+// A warm-up round, then `reps` timed rounds replaying every graph of c once: the median round's
+// microseconds per graph.
+Result<double> time_rounds(Cleanup& c, int reps) {
   cudaEvent_t start, stop;
   MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
   c.events.push_back(start);
   MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
   c.events.push_back(stop);
-  // Warm-up round, then `reps` timed rounds of every batch once.
   std::vector<double> per_call_us;
   for (int r = -1; r < reps; ++r) {
     MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
@@ -128,6 +120,46 @@ Result<double> cuda_time_forward(const CudaMoe& moe, const std::vector<std::vect
     if (r >= 0) per_call_us.push_back(static_cast<double>(ms) * 1e3 / static_cast<double>(c.execs.size()));
   }
   return median(per_call_us);
+}
+
+}  // namespace
+
+Result<double> cuda_time_forward(const CudaMoe& moe, const std::vector<std::vector<float>>& batches, int64_t n,
+                                 int reps, const CudaAllReduce* reduce) {
+  if (batches.empty() || reps < 1) return invalid_argument("cuda_time_forward: no batches or no repetitions");
+  const int64_t h = moe.desc().hidden;
+  Cleanup c;
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  void* out = nullptr;
+  MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&out, static_cast<size_t>(n * h) * sizeof(float)), "cudaMalloc (output)"));
+  c.device.push_back(out);
+  // One input buffer and one captured graph per batch: a replay reads its own tokens, so the
+  // timed work is exactly the layer's (and, under expert parallelism, the sum over the ranks).
+  for (const std::vector<float>& b : batches) {
+    if (static_cast<int64_t>(b.size()) != n * h) return invalid_argument("cuda_time_forward: batch of the wrong size");
+    void* x = nullptr;
+    MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&x, b.size() * sizeof(float)), "cudaMalloc (input)"));
+    c.device.push_back(x);
+    MOEINFER_RETURN_IF_ERROR(check(cudaMemcpy(x, b.data(), b.size() * sizeof(float), cudaMemcpyHostToDevice), "copy input"));
+    const Status captured = capture(c, [&]() -> Status {
+      MOEINFER_RETURN_IF_ERROR(moe.forward(static_cast<const float*>(x), n, static_cast<float*>(out), c.stream));
+      return reduce != nullptr ? reduce->sum(static_cast<float*>(out), n * h, c.stream) : Status{};
+    });
+    MOEINFER_RETURN_IF_ERROR(captured);
+  }
+  return time_rounds(c, reps);
+}
+
+Result<double> cuda_time_all_reduce(const CudaAllReduce& reduce, int64_t count, int reps) {
+  if (count < 1 || reps < 1) return invalid_argument("cuda_time_all_reduce: nothing to sum or no repetitions");
+  Cleanup c;
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  void* data = nullptr;
+  MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&data, static_cast<size_t>(count) * sizeof(float)), "cudaMalloc (sum)"));
+  c.device.push_back(data);
+  MOEINFER_RETURN_IF_ERROR(check(cudaMemset(data, 0, static_cast<size_t>(count) * sizeof(float)), "cudaMemset"));
+  MOEINFER_RETURN_IF_ERROR(capture(c, [&] { return reduce.sum(static_cast<float*>(data), count, c.stream); }));
+  return time_rounds(c, reps);
 }
 
 }  // namespace moeinfer

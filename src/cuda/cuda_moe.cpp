@@ -9,6 +9,7 @@
 
 #include "cuda/moe_kernels.cuh"
 #include "moeinfer/cuda.h"
+#include "moeinfer/ep.h"
 
 namespace moeinfer {
 
@@ -107,6 +108,8 @@ struct CudaMoe::Impl {
   LayerDesc desc;
   Plan plan;
   uint64_t layer_id = 0;
+  int rank = 0;
+  int ranks = 1;
   DeviceArena weights;
   DeviceArena scratch;
   cuda::DevLayer dev;
@@ -118,13 +121,26 @@ CudaMoe::~CudaMoe() = default;
 const Plan& CudaMoe::plan() const { return impl_->plan; }
 const LayerDesc& CudaMoe::desc() const { return impl_->desc; }
 uint64_t CudaMoe::layer_id() const { return impl_->layer_id; }
+int CudaMoe::rank() const { return impl_->rank; }
+int CudaMoe::ranks() const { return impl_->ranks; }
 int64_t CudaMoe::weight_bytes() const { return impl_->weights.total(); }
 int64_t CudaMoe::workspace_bytes() const { return impl_->scratch.total(); }
 
 Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max_tokens, std::optional<PathKind> path,
                                                  const ProgressFn& progress) {
+  return create(layer, max_tokens, CudaMoeOptions{.path = path}, progress);
+}
+
+Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max_tokens, const CudaMoeOptions& options,
+                                                 const ProgressFn& progress) {
   MOEINFER_RETURN_IF_ERROR(layer.check());
   const LayerDesc& d = layer.desc;
+  if (options.ranks < 1 || options.rank < 0 || options.rank >= options.ranks) {
+    return invalid_argument(fmt::format("expert parallelism: rank {} of {} ranks", options.rank, options.ranks));
+  }
+  const std::optional<PathKind> path = options.path;
+  const ExpertSlice slice = expert_slice(d.num_experts, options.rank, options.ranks);
+  const bool adds_once = options.rank == 0;  // the shared and zero experts
   int device = 0;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
   cudaDeviceProp prop{};
@@ -140,19 +156,22 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->desc = d;
   impl->plan = *plan;
   impl->layer_id = layer.id();
+  impl->rank = options.rank;
+  impl->ranks = options.ranks;
 
-  // Experts: table index e < E for routed experts, E for the shared expert.
-  std::vector<cuda::DevExpert> table;
+  // Experts: table index e < E for routed experts, E for the shared expert. Another rank's
+  // experts stay empty entries: no kernel reaches them (owned_begin/owned_end below).
+  std::vector<cuda::DevExpert> table(static_cast<size_t>(d.num_experts));
   table.reserve(static_cast<size_t>(d.num_experts) + 1);
-  for (int e = 0; e < d.num_experts; ++e) {
+  for (int e = slice.begin; e < slice.end; ++e) {
     Result<const ExpertWeights*> w = layer.expert(e);
     if (!w.ok()) return w.status();
     Result<cuda::DevExpert> dev = upload_expert(impl->weights, **w);
     if (!dev.ok()) return dev.status();
-    table.push_back(*dev);
-    if (progress) progress(e + 1, d.num_experts);
+    table[static_cast<size_t>(e)] = *dev;
+    if (progress) progress(e + 1 - slice.begin, slice.end - slice.begin);
   }
-  if (layer.shared) {
+  if (layer.shared && adds_once) {
     Result<cuda::DevExpert> dev = upload_expert(impl->weights, *layer.shared);
     if (!dev.ok()) return dev.status();
     table.push_back(*dev);
@@ -195,8 +214,12 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.correction_bias = d.routing.correction_bias;
   L.renormalize = d.routing.renormalize;
   L.weight_on_input = d.routing.weight_on_input;
-  L.has_shared = d.has_shared();
-  L.shared_gate = d.shared_gate;
+  // Ranks other than 0 neither run the shared expert nor compute its gate.
+  L.has_shared = d.has_shared() && adds_once;
+  L.shared_gate = d.shared_gate && adds_once;
+  L.owned_begin = slice.begin;
+  L.owned_end = slice.end;
+  L.adds_once = adds_once;
   L.n_group = d.routing.n_group;
   L.topk_group = d.routing.topk_group;
   L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
@@ -274,22 +297,33 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
 
 namespace {
 
+// Under expert parallelism (reduce set), this rank's slice runs here and the partial outputs are
+// summed over the ranks before the copy back.
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(std::optional<PathKind> path) : path_(path) {}
+  CudaBackend(std::optional<PathKind> path, std::unique_ptr<CudaAllReduce> reduce, EpStats* stats)
+      : path_(path), reduce_(std::move(reduce)), stats_(stats) {}
   ~CudaBackend() override {
-    cudaFree(x_);
-    cudaFree(out_);
+    release();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    for (cudaEvent_t e : {reduce_start_, reduce_stop_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   }
   BackendKind kind() const override { return BackendKind::kCuda; }
 
   Status prepare(const Layer& layer, int64_t max_tokens, const ProgressFn& progress) override {
     if (moe_ && moe_->layer_id() == layer.id() && max_tokens <= moe_->plan().max_tokens) return {};
-    moe_.reset();
-    cudaFree(x_);
-    cudaFree(out_);
-    x_ = out_ = nullptr;
-    Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, max_tokens, path_, progress);
+    release();
+    if (stream_ == nullptr) {
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    }
+    CudaMoeOptions options{.path = path_};
+    if (reduce_) {
+      options.rank = reduce_->rank();
+      options.ranks = reduce_->ranks();
+    }
+    Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, max_tokens, options, progress);
     if (!made.ok()) return made.status();
     moe_ = std::move(made).value();
     const size_t bytes = static_cast<size_t>(max_tokens * layer.desc.hidden) * sizeof(float);
@@ -309,20 +343,56 @@ class CudaBackend final : public Backend {
       MOEINFER_RETURN_IF_ERROR(prepare(layer, std::max<int64_t>(n, 64), {}));
     }
     const size_t bytes = x.size() * sizeof(float);
-    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(x_, x.data(), bytes, cudaMemcpyHostToDevice), "copy input"));
-    MOEINFER_RETURN_IF_ERROR(moe_->forward(x_, n, out_, nullptr));
-    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(out.data(), out_, bytes, cudaMemcpyDeviceToHost), "copy output"));
+    MOEINFER_RETURN_IF_ERROR(
+        cuda_status(cudaMemcpyAsync(x_, x.data(), bytes, cudaMemcpyHostToDevice, stream_), "copy input"));
+    MOEINFER_RETURN_IF_ERROR(moe_->forward(x_, n, out_, stream_));
+    if (reduce_) MOEINFER_RETURN_IF_ERROR(sum_ranks(n * h));
+    MOEINFER_RETURN_IF_ERROR(
+        cuda_status(cudaMemcpyAsync(out.data(), out_, bytes, cudaMemcpyDeviceToHost, stream_), "copy output"));
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "forward"));
+    if (reduce_ && stats_ != nullptr) {
+      float ms = 0;
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventElapsedTime(&ms, reduce_start_, reduce_stop_), "all-reduce time"));
+      stats_->reduce_seconds += static_cast<double>(ms) * 1e-3;
+      ++stats_->reduces;
+    }
     if (info != nullptr) {
       info->path = path_name(moe_->plan().path_for(n));
       info->detail = fmt::format("{:.1f} MiB of weights on the device", static_cast<double>(moe_->weight_bytes()) / (1 << 20));
+      if (reduce_) info->detail += fmt::format(", rank {} of {}", reduce_->rank(), reduce_->ranks());
       info->plan = moe_->plan().explain();
     }
     return {};
   }
 
  private:
+  void release() {
+    moe_.reset();
+    cudaFree(x_);
+    cudaFree(out_);
+    x_ = out_ = nullptr;
+  }
+
+  // The all-reduce of out_, between two events when it is timed.
+  Status sum_ranks(int64_t count) {
+    const bool timed = stats_ != nullptr;
+    if (timed && reduce_start_ == nullptr) {
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&reduce_start_), "cudaEventCreate"));
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&reduce_stop_), "cudaEventCreate"));
+    }
+    if (timed) MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventRecord(reduce_start_, stream_), "cudaEventRecord"));
+    MOEINFER_RETURN_IF_ERROR(reduce_->sum(out_, count, stream_));
+    if (timed) MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventRecord(reduce_stop_, stream_), "cudaEventRecord"));
+    return {};
+  }
+
   std::optional<PathKind> path_;
+  std::unique_ptr<CudaAllReduce> reduce_;
+  EpStats* stats_ = nullptr;
   std::unique_ptr<CudaMoe> moe_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t reduce_start_ = nullptr;
+  cudaEvent_t reduce_stop_ = nullptr;
   float* x_ = nullptr;
   float* out_ = nullptr;
 };
@@ -330,7 +400,31 @@ class CudaBackend final : public Backend {
 }  // namespace
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(std::optional<PathKind> path) {
-  return std::unique_ptr<Backend>(new CudaBackend(path));
+  return std::unique_ptr<Backend>(new CudaBackend(path, nullptr, nullptr));
+}
+
+Result<std::unique_ptr<Backend>> make_cuda_ep_backend(std::optional<PathKind> path, EpStats* stats) {
+  MOEINFER_RETURN_IF_ERROR(cuda_use_rank_device());
+  Result<std::unique_ptr<CudaAllReduce>> reduce = CudaAllReduce::create();
+  if (!reduce.ok()) return reduce.status();
+  return std::unique_ptr<Backend>(new CudaBackend(path, std::move(reduce).value(), stats));
+}
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
+
+Status cuda_use_rank_device() {
+  const int count = cuda_device_count();
+  const int local = ep_local_rank();
+  if (local >= count) {
+    return unavailable(fmt::format("rank {} is local rank {} of its host, which has {} GPU{}: expert parallelism on "
+                                   "GPUs needs one GPU per rank",
+                                   ep_rank(), local, count, count == 1 ? "" : "s"));
+  }
+  return cuda_status(cudaSetDevice(local), "cudaSetDevice");
 }
 
 }  // namespace moeinfer

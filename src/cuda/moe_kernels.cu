@@ -156,7 +156,7 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
 }
 
 // Route -> (token, expert, input scale); false for zero-computation experts, which have no
-// expert work (the blend adds w * x for them).
+// expert work (the blend adds w * x for them), and for experts another rank owns.
 __device__ __forceinline__ bool route_expert(const DevLayer& L, const DevWorkspace& ws, int n, int route, int* token,
                                              int* expert, float* in_scale) {
   const int routed = n * L.top_k;
@@ -164,7 +164,7 @@ __device__ __forceinline__ bool route_expert(const DevLayer& L, const DevWorkspa
   if (route < routed) {
     *token = route / L.top_k;
     *expert = ws.ids[route];
-    if (*expert >= L.num_experts) return false;
+    if (!owns_expert(L, *expert)) return false;
     if (L.weight_on_input) *in_scale = ws.weights[route];
     return true;
   }
@@ -409,12 +409,13 @@ __device__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& w
   }
 }
 
-// The expert (table index) a route runs on, or -1 for a zero-computation expert.
+// The expert (table index) a route runs on here, or -1 for a zero-computation expert and for an
+// expert another rank owns.
 __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route) {
   const int routed = n * L.top_k;
   if (route >= routed) return L.num_experts;  // the shared expert
   const int id = __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
-  return id < L.num_experts ? id : -1;
+  return owns_expert(L, id) ? id : -1;
 }
 
 // By a whole block of kThreads: counts routes per expert, scans the counts, writes the work
@@ -660,7 +661,8 @@ __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevL
 }
 
 // Grid: (ceil(H / 256), n). Block: 256 threads, one output element each:
-// out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared.
+// out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared,
+// over the experts this rank runs (all of them without expert parallelism).
 __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   const int t = blockIdx.y;
   const int h = blockIdx.x * blockDim.x + threadIdx.x;
@@ -672,8 +674,8 @@ __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, fl
     const int id = ws.ids[route];
     const float w = ws.weights[route];
     if (id >= L.num_experts) {
-      acc += w * x[t * H + h];
-    } else {
+      if (L.adds_once) acc += w * x[t * H + h];
+    } else if (owns_expert(L, id)) {
       acc += (L.weight_on_input ? 1.0f : w) * ws.expert_out[route * H + h];
     }
   }

@@ -47,6 +47,11 @@ struct DevLayer {
   bool shared_gate = false;
   int32_t n_group = 1;
   int32_t topk_group = 1;
+  // Expert parallelism: this rank runs the routed experts [owned_begin, owned_end) only, and
+  // adds the zero experts (and, through has_shared, the shared expert) where adds_once.
+  int32_t owned_begin = 0;
+  int32_t owned_end = 0;
+  bool adds_once = true;
   float renorm_epsilon = 0.0f;
   float scaling = 1.0f;
   float swiglu_alpha = 1.702f;
@@ -58,6 +63,8 @@ struct DevLayer {
 };
 
 #ifdef __CUDACC__
+__device__ __forceinline__ bool owns_expert(const DevLayer& L, int e) { return e >= L.owned_begin && e < L.owned_end; }
+
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
 
 // The gated activation of DESIGN.md section 1 on one (gate, up) pair.

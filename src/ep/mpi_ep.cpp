@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
 #include "cpu/moe_cpu.h"
@@ -50,6 +51,32 @@ bool mpi_running() {
   MPI_Finalized(&finalized);
   return initialized && !finalized;
 }
+
+}  // namespace
+
+int ep_local_rank() {
+  if (!mpi_running()) return 0;
+  static const int local = [] {
+    MPI_Comm host;
+    int rank = 0;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host) != MPI_SUCCESS) return 0;
+    MPI_Comm_rank(host, &rank);
+    MPI_Comm_free(&host);
+    return rank;
+  }();
+  return local;
+}
+
+Status ep_broadcast(void* data, int64_t bytes) {
+  if (!mpi_running()) return {};
+  if (bytes < 0 || bytes > INT32_MAX) return invalid_argument(fmt::format("ep_broadcast of {} bytes", bytes));
+  if (MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS) {
+    return Status(StatusCode::kInternal, "MPI_Bcast from rank 0 failed");
+  }
+  return {};
+}
+
+namespace {
 
 double reduce_double(double v, MPI_Op op) {
   if (!mpi_running()) return v;
