@@ -1,10 +1,15 @@
-// Expert parallelism on CPUs, run under mpirun (-np 2 and -np 3 in CTest): every rank's result
-// must equal the single-process result, with uneven slices, ranks whose experts get no route,
-// and the shared and zero experts added exactly once.
+// Expert parallelism, run under mpirun (-np 1, 2 and 3 in CTest): every rank's result must equal
+// the single-process result, with uneven slices, ranks whose experts get no route, and the shared
+// and zero experts added exactly once. On CPUs the ranks sum over MPI; on GPUs (one per rank,
+// skipped loudly where the host has fewer) over NCCL.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "cpu/moe_cpu.h"
 #include "moeinfer/bench.h"
+#include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "test_util.h"
@@ -62,6 +67,59 @@ std::vector<EpCase> cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallel, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
+// Why this job cannot run expert parallelism on GPUs (empty when it can): no usable CUDA
+// backend, no NCCL, or fewer GPUs than ranks on some host. Every rank gets the same answer, so
+// no rank waits in a collective that another skipped.
+std::string gpu_ep_unavailable() {
+  std::string why;
+  for (const BackendAvailability& b : backend_availability()) {
+    if (b.kind == BackendKind::kCuda && !b.available) why = "no usable GPU: " + b.reason;
+  }
+  if (why.empty() && !cuda_has_nccl()) why = "this build has no NCCL";
+  if (why.empty() && ep_local_rank() >= cuda_device_count()) {
+    why = fmt::format("local rank {} but {} GPUs on its host", ep_local_rank(), cuda_device_count());
+  }
+  const double everyone = ep_min(why.empty() ? 1.0 : 0.0);
+  if (everyone == 1.0) return {};
+  return why.empty() ? "another rank cannot use a GPU" : why;
+}
+
+// The same cases on GPUs, one per rank, summed by NCCL: every path's result on every rank must
+// be the single-process result.
+class CudaExpertParallel : public ::testing::TestWithParam<EpCase> {
+ protected:
+  void SetUp() override {
+    const std::string why = gpu_ep_unavailable();
+    if (!why.empty()) GTEST_SKIP() << "expert parallelism on GPUs not tested here: " << why;
+  }
+};
+
+TEST_P(CudaExpertParallel, EveryRankGetsTheSingleProcessResult) {
+  const EpCase& c = GetParam();
+  const LayerDesc d = family_layer(c.family, c.shape);
+  const std::vector<float> x = make_tokens(c.tokens, d.hidden, 17);
+  const auto size = static_cast<size_t>(c.tokens * d.hidden);
+  const Layer whole = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
+  std::vector<float> expected(size, std::nanf(""));
+  ASSERT_OK(make_cpu_backend()->forward(whole, x, c.tokens, expected, nullptr));
+  // Expert-major rounds its tensor-core operands to bf16 (the backend-ops bound, 1e-2); the
+  // other paths keep fp32 activations.
+  for (const auto& [path, tolerance] : {std::pair{PathKind::kExpertMajor, 1e-2}, std::pair{PathKind::kTokenMajor, 1e-4},
+                                        std::pair{PathKind::kPerRow, 1e-4}}) {
+    const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
+    std::unique_ptr<Backend> ep = take(make_cuda_ep_backend(path));
+    std::vector<float> got(size, std::nanf(""));
+    ASSERT_OK(ep->forward(layer, x, c.tokens, got, nullptr));
+    const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
+    EXPECT_EQ(layer.loaded_experts(), slice.end - slice.begin) << "rank " << ep_rank() << " uploads its slice alone";
+    EXPECT_LE(testing::rel_l2(got, expected), tolerance)
+        << path_name(path) << " on rank " << ep_rank() << " of " << ep_size();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaExpertParallel, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
+
 // The benchmark's expert-parallel bookkeeping: every rank gets the same rows; the largest
 // per-rank bytes lie between an even share and the whole (each rank reads its slice of the
 // distinct experts, all read the router, so the ranks' bytes sum to at least the total); the
@@ -88,6 +146,31 @@ TEST(ExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
       EXPECT_GT(r.allreduce_us, 0.0);
       EXPECT_LT(r.allreduce_us, r.time_us);
     }
+  }
+}
+
+// The same bookkeeping on GPUs, where the all-reduce is timed alone over graph replays.
+TEST(CudaExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
+  const std::string why = gpu_ep_unavailable();
+  if (!why.empty()) GTEST_SKIP() << "expert parallelism on GPUs not tested here: " << why;
+  BenchConfig cfg;
+  cfg.presets = {"qwen3-30b-a3b"};
+  cfg.formats = {{WeightFormat::kNVFP4}};
+  cfg.tokens = {1, 16};
+  cfg.routings = {TokenRouting::kIndependent};
+  cfg.backend = BackendKind::kCuda;
+  cfg.reps = 3;
+  cfg.ep = ep_size();
+  const BenchResult result = take(run_bench(cfg));
+  ASSERT_EQ(result.rows.size(), 2u);
+  for (const BenchRow& r : result.rows) {
+    EXPECT_EQ(r.ranks, ep_size());
+    EXPECT_EQ(ep_max(r.time_us), ep_min(r.time_us)) << "ranks disagree on N=" << r.tokens;
+    EXPECT_LE(r.rank_bytes, r.bytes);
+    EXPECT_GE(r.rank_bytes * ep_size(), r.bytes);
+    EXPECT_GT(r.allreduce_us, 0.0);  // NCCL runs a kernel even for one rank
+    EXPECT_LT(r.allreduce_us, r.time_us);
+    EXPECT_NEAR(r.floor_us, r.rank_bytes / (result.read_gbps * 1e3), 1e-9 * r.floor_us);
   }
 }
 

@@ -527,8 +527,9 @@ int main(int argc, char** argv) {
     // One CPU rank is the plain cpu backend; one GPU rank runs the NCCL path in this process.
     if (*kind == BackendKind::kCpu && ep_ranks == 1) ep_ranks = 0;
   }
-  if (ep_ranks > 1) {
-    if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr) {
+  const bool in_mpi_job = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+  if (ep_ranks > 1 || (ep_ranks > 0 && in_mpi_job)) {
+    if (!in_mpi_job) {
       // Not inside an MPI job yet: start one, each rank running this same command.
       if (!ep_built_with_mpi()) return fail(ep_init(&argc, &argv));
       // Not bound to a core each: a rank runs threads, and rank 0 measures the memory alone.

@@ -227,14 +227,19 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// Grid: (ceil((E + Z + shared gate) / 8), ceil(n / 8)). Block: 8 warps, one router row each (the
-// shared expert's gate vector is one more row), for 8 tokens at once: the router is read once
-// per 8 tokens, by every SM at once. The blocks also write expert-major's bf16 copy of x.
+// Grid: (ceil((E + Z + shared gate) / 2), ceil(n / 8)). Block: 8 warps on 2 router rows (the
+// shared expert's gate vector is one more row), 4 warps splitting each row's columns, for 8
+// tokens at once: the router is read once per 8 tokens, by many blocks with few loads each, so
+// the reads are in flight together rather than one after another. The blocks also write
+// expert-major's bf16 copy of x.
 constexpr int kRouterWarps = 8;
+constexpr int kRouterRows = 2;
+constexpr int kRouterParts = kRouterWarps / kRouterRows;
 constexpr int kRouterTokens = 8;
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
-  const int lane = threadIdx.x % kWarp;
+  __shared__ float partial[kRouterWarps][kRouterTokens];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int t0 = blockIdx.y * kRouterTokens;
   const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
   const int64_t H = L.hidden;
@@ -242,51 +247,65 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
     ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
   }
 
-  const int e = blockIdx.x * kRouterWarps + threadIdx.x / kWarp;
+  const int part = warp / kRouterRows;
+  const int e = blockIdx.x * kRouterRows + warp % kRouterRows;
+  const bool gate_row = e == L.router_outputs && L.shared_gate;
+  const float* xt = x + t0 * H;
   float acc[kRouterTokens] = {};
-  if (e == L.router_outputs && L.shared_gate) {
+  if (gate_row) {
 #pragma unroll 4
-    for (int c = lane; c < L.hidden; c += kWarp) {
+    for (int c = part * kWarp + lane; c < L.hidden; c += kRouterParts * kWarp) {
       const float w = L.shared_gate_values[c];
 #pragma unroll
       for (int j = 0; j < kRouterTokens; ++j) {
-        if (j < tokens) acc[j] += w * x[(t0 + j) * H + c];
+        if (j < tokens) acc[j] += w * xt[j * H + c];
       }
     }
-#pragma unroll
-    for (int j = 0; j < kRouterTokens; ++j) {
-      const float dot = warp_sum(acc[j]);
-      if (lane == 0 && j < tokens) ws.shared_gate[t0 + j] = sigmoidf(dot);
-    }
-    return;
-  }
-  if (e >= L.router_outputs) return;
-  if (L.router.cols % 8 == 0) {
-#pragma unroll 2
-    for (int c = lane * 8; c < L.hidden; c += kWarp * 8) {
+  } else if (e < L.router_outputs && L.router.cols % 8 == 0) {
+#pragma unroll 4
+    for (int c = (part * kWarp + lane) * 8; c < L.hidden; c += kRouterParts * kWarp * 8) {
       float w[8];
       load_weights8(L.router, e, c, w);
 #pragma unroll
       for (int j = 0; j < kRouterTokens; ++j) {
-        if (j < tokens) acc[j] += dot8(w, x + (t0 + j) * H + c);
+        if (j < tokens) acc[j] += dot8(w, xt + j * H + c);
       }
     }
-  } else {
-    for (int c = lane; c < L.hidden; c += kWarp) {
+  } else if (e < L.router_outputs) {
+    for (int c = part * kWarp + lane; c < L.hidden; c += kRouterParts * kWarp) {
       const float w = load_weight(L.router, e, c);
 #pragma unroll
       for (int j = 0; j < kRouterTokens; ++j) {
-        if (j < tokens) acc[j] += w * x[(t0 + j) * H + c];
+        if (j < tokens) acc[j] += w * xt[j * H + c];
       }
     }
   }
-  const float bias = L.router.bias != nullptr ? L.router.bias[e] : 0.0f;
 #pragma unroll
   for (int j = 0; j < kRouterTokens; ++j) {
     const float dot = warp_sum(acc[j]);
-    if (lane == 0 && j < tokens) ws.logits[static_cast<int64_t>(t0 + j) * L.router_outputs + e] = dot + bias;
+    if (lane == 0) partial[warp][j] = dot;
+  }
+  __syncthreads();
+  // Lane j of the first warp on each row adds the row's parts for token j.
+  if (part != 0 || lane >= tokens || (e >= L.router_outputs && !gate_row)) return;
+  float dot = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kRouterParts; ++p) dot += partial[p * kRouterRows + warp][lane];
+  if (gate_row) {
+    ws.shared_gate[t0 + lane] = sigmoidf(dot);
+  } else {
+    const float bias = L.router.bias != nullptr ? L.router.bias[e] : 0.0f;
+    ws.logits[static_cast<int64_t>(t0 + lane) * L.router_outputs + e] = dot + bias;
   }
 }
+
+// Order bits of a float: for non-NaN a > b exactly when order_bits(a) > order_bits(b) as
+// unsigned integers. kTakenBits lies below every float's (-inf is 0x007FFFFF).
+__device__ __forceinline__ uint32_t order_bits(float f) {
+  const uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);  // -0 ties with +0, as floats do
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+constexpr uint32_t kTakenBits = 0;
 
 // The chosen experts' weights from their scores, by the layer's weight function, then
 // renormalised and scaled: lanes j < k of a warp hold choice j.
@@ -307,7 +326,7 @@ __device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool 
 // l, l + 32, ... (kPerLane of them) in registers; `keys` is this warp's shared scratch of
 // E + Z floats, used only for group-limited routing.
 template <int kPerLane>
-__device__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys) {
+__device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys) {
   const int lane = threadIdx.x % kWarp, outputs = L.router_outputs;
   float score[kPerLane], key[kPerLane];
   float max_logit = -INFINITY;
@@ -377,28 +396,42 @@ __device__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& w
     }
   }
 
-  // Top-k: k rounds of a warp argmax; lane j keeps choice j and its unbiased score.
+  // Top-k: k rounds of a warp-wide maximum; lane j keeps choice j and its unbiased score. A key
+  // travels as its order bits, so the maximum over the warp is one redux instruction; equal keys
+  // go to the lower expert index (the tie rule of every backend): lower slot within a lane, then
+  // the lowest index among the lanes holding the maximum.
+  uint32_t bits[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) bits[i] = lane + kWarp * i < outputs ? order_bits(key[i]) : kTakenBits;
   int my_id = 0;
   float my_score = 0.0f;
   for (int j = 0; j < L.top_k; ++j) {
-    ArgMax local{-INFINITY, INT_MAX};
-    float local_score = 0.0f;
+    // This lane's best: a tree whose left side always holds the lower slots, so a tie keeps
+    // the lower slot.
+    uint32_t best_bits[kPerLane];
+    int best_slot[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const ArgMax candidate{key[i], lane + kWarp * i};
-      if (better(local, candidate).index != local.index) {
-        local = candidate;
-        local_score = score[i];
+    for (int i = 0; i < kPerLane; ++i) best_bits[i] = bits[i], best_slot[i] = i;
+#pragma unroll
+    for (int level = 1; level < kPerLane; level *= 2) {
+#pragma unroll
+      for (int i = 0; i + level < kPerLane; i += 2 * level) {
+        const bool right = best_bits[i + level] > best_bits[i];
+        best_bits[i] = right ? best_bits[i + level] : best_bits[i];
+        best_slot[i] = right ? best_slot[i + level] : best_slot[i];
       }
     }
-    const ArgMax best = warp_argmax(local);
-    // Only NaN keys (from a NaN input) leave no candidate; stay in range regardless.
-    const int id = (best.index >= 0 && best.index < outputs) ? best.index : 0;
-    const float chosen_score = __shfl_sync(0xFFFFFFFFu, local_score, id % kWarp);
+    const uint32_t top = __reduce_max_sync(0xFFFFFFFFu, best_bits[0]);
+    const uint32_t lowest =
+        __reduce_min_sync(0xFFFFFFFFu, best_bits[0] == top ? static_cast<uint32_t>(lane + kWarp * best_slot[0]) : ~0u);
+    // Only NaN keys (from a NaN input) can leave nothing sensible; stay in range regardless.
+    const int id = lowest < static_cast<uint32_t>(outputs) ? static_cast<int>(lowest) : 0;
+    float score_here = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      if (lane + kWarp * i == id) key[i] = -INFINITY;
+      if (lane + kWarp * i == id) score_here = score[i], bits[i] = kTakenBits;
     }
+    const float chosen_score = __shfl_sync(0xFFFFFFFFu, score_here, id % kWarp);
     if (lane == j) my_id = id, my_score = chosen_score;
   }
   const bool mine = lane < L.top_k;
@@ -477,7 +510,7 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 // selection.
 constexpr int kRouteWarps = 8;
 template <int kPerLane>
-__global__ void __launch_bounds__(kRouteWarps * kWarp) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
+__global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
   __shared__ bool last;
   const int warp = threadIdx.x / kWarp;
@@ -763,7 +796,7 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
 cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, int group,
                              cudaStream_t stream) {
   const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
-  const dim3 logits_grid((rows + kRouterWarps - 1) / kRouterWarps, (n + kRouterTokens - 1) / kRouterTokens);
+  const dim3 logits_grid((rows + kRouterRows - 1) / kRouterRows, (n + kRouterTokens - 1) / kRouterTokens);
   moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
