@@ -18,6 +18,7 @@
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
+#include "ep_cases.h"
 #include "test_util.h"
 
 namespace moeinfer {
@@ -124,26 +125,8 @@ TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
 
 // ---- expert parallelism ---------------------------------------------------------------------
 
-struct EpCase {
-  const char* name;
-  Family family;
-  FamilyShape shape;
-  int64_t tokens;
-};
-
-std::vector<EpCase> ep_cases() {
-  return {
-      {"shared_gated", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 10, .top_k = 3, .shared_intermediate = 32}, 5},
-      {"zero_experts", Family::kLongcatFlash, {.hidden = 32, .intermediate = 16, .num_experts = 7, .top_k = 4, .num_zero_experts = 4, .norm_topk_prob = false, .routed_scaling_factor = 6.0}, 6},
-      {"groups", Family::kDeepseekV3, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 4, .shared_intermediate = 16, .routed_scaling_factor = 2.5, .n_group = 4, .topk_group = 2}, 40},
-      {"input_scaled", Family::kLlama4, {.hidden = 32, .intermediate = 16, .num_experts = 5, .top_k = 1, .shared_intermediate = 16}, 3},
-      {"biases", Family::kGptOss, {.hidden = 32, .intermediate = 16, .num_experts = 6, .top_k = 2}, 4},
-      // One token, one route: every rank but one has nothing to do.
-      {"idle_ranks", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 1}, 1},
-      // Fewer experts than ranks at 3 ranks: a rank owns none.
-      {"empty_slice", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 2, .top_k = 2}, 3},
-  };
-}
+using testing::EpCase;
+using testing::ep_cases;
 
 class CudaEp : public Cuda {};
 

@@ -12,6 +12,7 @@
 #include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
+#include "ep_cases.h"
 #include "test_util.h"
 
 namespace moeinfer {
@@ -19,12 +20,8 @@ namespace {
 
 using testing::take;
 
-struct EpCase {
-  const char* name;
-  Family family;
-  FamilyShape shape;
-  int64_t tokens;
-};
+using testing::EpCase;
+using testing::ep_cases;
 
 class ExpertParallel : public ::testing::TestWithParam<EpCase> {};
 
@@ -50,21 +47,7 @@ TEST_P(ExpertParallel, EveryRankGetsTheSingleProcessResult) {
   EXPECT_LE(testing::rel_l2(got, expected), 1e-5) << "rank " << ep_rank() << " of " << ep_size();
 }
 
-std::vector<EpCase> cases() {
-  return {
-      {"shared_gated", Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 10, .top_k = 3, .shared_intermediate = 32}, 5},
-      {"zero_experts", Family::kLongcatFlash, {.hidden = 32, .intermediate = 16, .num_experts = 7, .top_k = 4, .num_zero_experts = 4, .norm_topk_prob = false, .routed_scaling_factor = 6.0}, 6},
-      {"groups", Family::kDeepseekV3, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 4, .shared_intermediate = 16, .routed_scaling_factor = 2.5, .n_group = 4, .topk_group = 2}, 4},
-      {"input_scaled", Family::kLlama4, {.hidden = 32, .intermediate = 16, .num_experts = 5, .top_k = 1, .shared_intermediate = 16}, 3},
-      {"biases", Family::kGptOss, {.hidden = 32, .intermediate = 16, .num_experts = 6, .top_k = 2}, 4},
-      // One token, one route: every rank but one has nothing to do.
-      {"idle_ranks", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 16, .top_k = 1}, 1},
-      // Fewer experts than ranks at -np 3: a rank owns none.
-      {"empty_slice", Family::kMixtral, {.hidden = 32, .intermediate = 16, .num_experts = 2, .top_k = 2}, 3},
-  };
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallel, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallel, ::testing::ValuesIn(ep_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
 // Why this job cannot run expert parallelism on GPUs (empty when it can): no usable CUDA
@@ -117,24 +100,24 @@ TEST_P(CudaExpertParallel, EveryRankGetsTheSingleProcessResult) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaExpertParallel, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Cases, CudaExpertParallel, ::testing::ValuesIn(ep_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
-// The benchmark's expert-parallel bookkeeping: every rank gets the same rows; the largest
-// per-rank bytes lie between an even share and the whole (each rank reads its slice of the
-// distinct experts, all read the router, so the ranks' bytes sum to at least the total); the
-// all-reduce is timed apart.
-TEST(ExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
+// The benchmark's expert-parallel bookkeeping, on `backend` over this job's ranks: every rank
+// gets the same rows; the largest per-rank bytes lie between an even share and the whole (each
+// rank reads its slice of the distinct experts, all read the router, so the ranks' bytes sum to
+// at least the total); the all-reduce is timed apart.
+BenchResult ep_bench_rows(BackendKind backend, WeightFormat format, std::vector<int64_t> tokens, int reps) {
   BenchConfig cfg;
   cfg.presets = {"qwen3-30b-a3b"};
-  cfg.formats = {{WeightFormat::kBF16}};
-  cfg.tokens = {1, 3};
+  cfg.formats = {{format}};
+  cfg.tokens = tokens;
   cfg.routings = {TokenRouting::kIndependent};
-  cfg.backend = BackendKind::kCpu;
-  cfg.reps = 2;
+  cfg.backend = backend;
+  cfg.reps = reps;
   cfg.ep = ep_size();
-  const BenchResult result = take(run_bench(cfg));
-  ASSERT_EQ(result.rows.size(), 2u);
+  BenchResult result = take(run_bench(cfg));
+  EXPECT_EQ(result.rows.size(), tokens.size());
   for (const BenchRow& r : result.rows) {
     EXPECT_EQ(r.ranks, ep_size());
     EXPECT_EQ(ep_max(r.time_us), ep_min(r.time_us)) << "ranks disagree on N=" << r.tokens;
@@ -143,31 +126,28 @@ TEST(ExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
     EXPECT_GE(r.rank_bytes * ep_size(), r.bytes);
     if (ep_size() > 1) {
       EXPECT_LT(r.rank_bytes, r.bytes) << "a rank read every expert";
+    }
+  }
+  return result;
+}
+
+TEST(ExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
+  const BenchResult result = ep_bench_rows(BackendKind::kCpu, WeightFormat::kBF16, {1, 3}, 2);
+  for (const BenchRow& r : result.rows) {
+    if (ep_size() > 1) {
       EXPECT_GT(r.allreduce_us, 0.0);
       EXPECT_LT(r.allreduce_us, r.time_us);
     }
   }
 }
 
-// The same bookkeeping on GPUs, where the all-reduce is timed alone over graph replays.
+// The same on GPUs, where the all-reduce is timed alone over graph replays and the floor is the
+// largest rank's bytes over one GPU's bandwidth.
 TEST(CudaExpertParallelBench, RowsAgreeAcrossRanksAndSplitTheBytes) {
   const std::string why = gpu_ep_unavailable();
   if (!why.empty()) GTEST_SKIP() << "expert parallelism on GPUs not tested here: " << why;
-  BenchConfig cfg;
-  cfg.presets = {"qwen3-30b-a3b"};
-  cfg.formats = {{WeightFormat::kNVFP4}};
-  cfg.tokens = {1, 16};
-  cfg.routings = {TokenRouting::kIndependent};
-  cfg.backend = BackendKind::kCuda;
-  cfg.reps = 3;
-  cfg.ep = ep_size();
-  const BenchResult result = take(run_bench(cfg));
-  ASSERT_EQ(result.rows.size(), 2u);
+  const BenchResult result = ep_bench_rows(BackendKind::kCuda, WeightFormat::kNVFP4, {1, 16}, 3);
   for (const BenchRow& r : result.rows) {
-    EXPECT_EQ(r.ranks, ep_size());
-    EXPECT_EQ(ep_max(r.time_us), ep_min(r.time_us)) << "ranks disagree on N=" << r.tokens;
-    EXPECT_LE(r.rank_bytes, r.bytes);
-    EXPECT_GE(r.rank_bytes * ep_size(), r.bytes);
     EXPECT_GT(r.allreduce_us, 0.0);  // NCCL runs a kernel even for one rank
     EXPECT_LT(r.allreduce_us, r.time_us);
     EXPECT_NEAR(r.floor_us, r.rank_bytes / (result.read_gbps * 1e3), 1e-9 * r.floor_us);
