@@ -499,15 +499,24 @@ int main(int argc, char** argv) {
   bench.presets_or_formats_given = bench_preset_opt->count() > 0 || bench_format_opt->count() > 0;
   const bool ep_given = (run_cmd->parsed() && run_ep_opt->count() > 0) || (bench_cmd->parsed() && bench_ep_opt->count() > 0);
   int& ep_ranks = run_cmd->parsed() ? run.ep : bench.ep;
+  const bool in_mpi_job = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
   if (ep_given) {
-    // Settled before any rank starts: the backend, and whether this host can run the ranks.
+    // Settled before any rank starts (and again in each rank): the backend, and whether this
+    // host can run the ranks.
     if (ep_ranks < 1) return fail(invalid_argument(fmt::format("--ep must be at least 1 (got {})", ep_ranks)));
     std::string& backend = run_cmd->parsed() ? run.backend : bench.backend;
     Result<BackendKind> kind = parse_backend(backend);
     if (!kind.ok()) return fail(kind.status());
+    const int gpus = cuda_device_count();  // opens no GPU context
+    if (in_mpi_job && gpus >= ep_ranks && (*kind == BackendKind::kAuto || *kind == BackendKind::kCuda)) {
+      // A rank makes its own GPU current before the CUDA backend's probe opens a context, so
+      // that no rank holds memory on another rank's GPU.
+      Status joined = ep_init(&argc, &argv);
+      if (joined.ok()) joined = cuda_use_rank_device();
+      if (!joined.ok()) return fail(joined);
+    }
     if (*kind == BackendKind::kAuto) {  // GPUs when there is one per rank
-      const bool gpus = make_backend(BackendKind::kCuda).ok() && cuda_device_count() >= ep_ranks;
-      *kind = gpus ? BackendKind::kCuda : BackendKind::kCpu;
+      *kind = gpus >= ep_ranks && make_backend(BackendKind::kCuda).ok() ? BackendKind::kCuda : BackendKind::kCpu;
       backend = backend_name(*kind);
     }
     if (*kind != BackendKind::kCpu && *kind != BackendKind::kCuda) {
@@ -516,7 +525,6 @@ int main(int argc, char** argv) {
           backend)));
     }
     if (*kind == BackendKind::kCuda) {
-      const int gpus = cuda_device_count();
       if (gpus < ep_ranks) {
         return fail(unavailable(fmt::format("--ep {} on cuda needs one GPU per rank; this host has {}", ep_ranks, gpus)));
       }
@@ -527,7 +535,6 @@ int main(int argc, char** argv) {
     // One CPU rank is the plain cpu backend; one GPU rank runs the NCCL path in this process.
     if (*kind == BackendKind::kCpu && ep_ranks == 1) ep_ranks = 0;
   }
-  const bool in_mpi_job = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
   if (ep_ranks > 1 || (ep_ranks > 0 && in_mpi_job)) {
     if (!in_mpi_job) {
       // Not inside an MPI job yet: start one, each rank running this same command.
