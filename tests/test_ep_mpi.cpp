@@ -23,25 +23,37 @@ using testing::take;
 using testing::EpCase;
 using testing::ep_cases;
 
+// A case's layer description, tokens, and the single-process CPU output every rank must return.
+struct EpFixture {
+  LayerDesc d;
+  std::vector<float> x;
+  std::vector<float> expected;
+};
+
+EpFixture make_ep_fixture(const EpCase& c) {
+  EpFixture f{family_layer(c.family, c.shape), {}, {}};
+  f.x = make_tokens(c.tokens, f.d.hidden, 17);
+  const Layer whole = take(make_synthetic_layer(f.d, {WeightFormat::kNVFP4}, 5));
+  f.expected.assign(f.x.size(), std::nanf(""));
+  const Status s = make_cpu_backend()->forward(whole, f.x, c.tokens, f.expected, nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return f;
+}
+
 class ExpertParallel : public ::testing::TestWithParam<EpCase> {};
 
 TEST_P(ExpertParallel, EveryRankGetsTheSingleProcessResult) {
   const EpCase& c = GetParam();
-  const LayerDesc d = family_layer(c.family, c.shape);
-  const std::vector<float> x = make_tokens(c.tokens, d.hidden, 17);
-  const auto size = static_cast<size_t>(c.tokens * d.hidden);
+  const auto [d, x, expected] = make_ep_fixture(c);
 
   // This rank's layer: only the experts of its slice may be loaded by the EP forward.
   const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
   std::unique_ptr<Backend> ep = take(make_cpu_ep_backend());
-  std::vector<float> got(size, std::nanf(""));
+  std::vector<float> got(x.size(), std::nanf(""));
   ASSERT_OK(ep->forward(layer, x, c.tokens, got, nullptr));
   const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
   EXPECT_LE(layer.loaded_experts(), slice.end - slice.begin) << "rank " << ep_rank() << " loaded another rank's expert";
 
-  const Layer whole = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
-  std::vector<float> expected(size, std::nanf(""));
-  ASSERT_OK(make_cpu_backend()->forward(whole, x, c.tokens, expected, nullptr));
   // Float sums in another order: a few ulps. A shared expert added twice, or a lost route,
   // is a whole term (>= 1e-2 relative).
   EXPECT_LE(testing::rel_l2(got, expected), 1e-5) << "rank " << ep_rank() << " of " << ep_size();
@@ -79,19 +91,14 @@ class CudaExpertParallel : public ::testing::TestWithParam<EpCase> {
 
 TEST_P(CudaExpertParallel, EveryRankGetsTheSingleProcessResult) {
   const EpCase& c = GetParam();
-  const LayerDesc d = family_layer(c.family, c.shape);
-  const std::vector<float> x = make_tokens(c.tokens, d.hidden, 17);
-  const auto size = static_cast<size_t>(c.tokens * d.hidden);
-  const Layer whole = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
-  std::vector<float> expected(size, std::nanf(""));
-  ASSERT_OK(make_cpu_backend()->forward(whole, x, c.tokens, expected, nullptr));
+  const auto [d, x, expected] = make_ep_fixture(c);
   // Expert-major rounds its tensor-core operands to bf16 (the backend-ops bound, 1e-2); the
   // other paths keep fp32 activations.
   for (const auto& [path, tolerance] : {std::pair{PathKind::kExpertMajor, 1e-2}, std::pair{PathKind::kTokenMajor, 1e-4},
                                         std::pair{PathKind::kPerRow, 1e-4}}) {
     const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
     std::unique_ptr<Backend> ep = take(make_cuda_ep_backend(path));
-    std::vector<float> got(size, std::nanf(""));
+    std::vector<float> got(x.size(), std::nanf(""));
     ASSERT_OK(ep->forward(layer, x, c.tokens, got, nullptr));
     const ExpertSlice slice = expert_slice(d.num_experts, ep_rank(), ep_size());
     EXPECT_EQ(layer.loaded_experts(), slice.end - slice.begin) << "rank " << ep_rank() << " uploads its slice alone";

@@ -56,6 +56,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 // Streaming read bandwidth of host memory: every thread sums its own slice of a buffer much
 // larger than the caches.
 double cpu_read_gbps() {
@@ -85,8 +90,7 @@ double cpu_read_gbps() {
     (void)observed;
     gbps.push_back(static_cast<double>(count * 4) / s / 1e9);
   }
-  std::sort(gbps.begin(), gbps.end());
-  return gbps[1];
+  return median(gbps);
 }
 
 }  // namespace
@@ -184,7 +188,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     const std::string format = quant_spec_name(layer->expert_spec);
     const std::string label = fmt::format("{} {}", source.name, format);
     std::unique_ptr<CudaMoe> moe;
-    std::string path, config;
+    std::string config;  // the plan's choice (CUDA)
     if (cuda) {
       const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size()};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
@@ -192,10 +196,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
       });
       if (!made.ok()) return made.status();
       moe = std::move(made).value();
-      path = path_name(moe->plan().path);
       config = moe->plan().config;
-    } else {
-      path = backend_name(cfg.backend);
     }
     const double fixed_bytes = static_cast<double>(layer->resident_bytes());
     const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
@@ -246,10 +247,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
             times.push_back(ep_max(std::chrono::duration<double, std::micro>(Clock::now() - start).count()));
             reduces.push_back(ep_min((ep_stats.reduce_seconds - reduce_before) * 1e6));
           }
-          std::sort(times.begin(), times.end());
-          std::sort(reduces.begin(), reduces.end());
-          time_us = times[times.size() / 2];
-          allreduce_us = reduces[reduces.size() / 2];
+          time_us = median(times);
+          allreduce_us = median(reduces);
         }
         BenchRow row;
         row.preset = source.name;
@@ -257,7 +256,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.routing = token_routing_name(routing);
         row.tokens = n;
         row.backend = backend_name(cfg.backend);
-        row.path = moe ? path_name(moe->plan().path_for(n)) : path;
+        row.path = moe ? path_name(moe->plan().path_for(n)) : backend_name(cfg.backend);
         row.config = config;
         row.time_us = time_us;
         row.distinct_experts = distinct;

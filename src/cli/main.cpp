@@ -515,8 +515,10 @@ int main(int argc, char** argv) {
       if (joined.ok()) joined = cuda_use_rank_device();
       if (!joined.ok()) return fail(joined);
     }
+    Status cuda_usable;  // probed once, after this rank's GPU is current
+    if (*kind == BackendKind::kAuto || *kind == BackendKind::kCuda) cuda_usable = make_backend(BackendKind::kCuda).status();
     if (*kind == BackendKind::kAuto) {  // GPUs when there is one per rank
-      *kind = gpus >= ep_ranks && make_backend(BackendKind::kCuda).ok() ? BackendKind::kCuda : BackendKind::kCpu;
+      *kind = gpus >= ep_ranks && cuda_usable.ok() ? BackendKind::kCuda : BackendKind::kCpu;
       backend = backend_name(*kind);
     }
     if (*kind != BackendKind::kCpu && *kind != BackendKind::kCuda) {
@@ -528,8 +530,7 @@ int main(int argc, char** argv) {
       if (gpus < ep_ranks) {
         return fail(unavailable(fmt::format("--ep {} on cuda needs one GPU per rank; this host has {}", ep_ranks, gpus)));
       }
-      Result<std::unique_ptr<Backend>> cuda = make_backend(BackendKind::kCuda);
-      if (!cuda.ok()) return fail(cuda.status());
+      if (!cuda_usable.ok()) return fail(cuda_usable);
       if (!cuda_has_nccl()) return fail(CudaAllReduce::create().status());
     }
     // One CPU rank is the plain cpu backend; one GPU rank runs the NCCL path in this process.

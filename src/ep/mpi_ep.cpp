@@ -22,29 +22,9 @@ Status ep_init(int* argc, char*** argv) {
   return {};
 }
 
-void ep_finalize() {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Finalize();
-}
-
-int ep_rank() {
-  int initialized = 0, rank = 0;
-  MPI_Initialized(&initialized);
-  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-int ep_size() {
-  int initialized = 0, size = 1;
-  MPI_Initialized(&initialized);
-  if (initialized) MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
 namespace {
 
+// Initialised and not yet finalised: the only state in which MPI may be called.
 bool mpi_running() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -53,6 +33,22 @@ bool mpi_running() {
 }
 
 }  // namespace
+
+void ep_finalize() {
+  if (mpi_running()) MPI_Finalize();
+}
+
+int ep_rank() {
+  int rank = 0;
+  if (mpi_running()) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int ep_size() {
+  int size = 1;
+  if (mpi_running()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
 
 int ep_local_rank() {
   if (!mpi_running()) return 0;
@@ -105,9 +101,7 @@ void ep_sleeping_barrier() {
 }
 
 Result<std::unique_ptr<Backend>> make_cpu_ep_backend(EpStats* stats) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) return unavailable("expert parallelism needs MPI initialised (ep_init) in every rank");
+  if (!mpi_running()) return unavailable("expert parallelism needs MPI initialised (ep_init) in every rank");
   CpuEpConfig ep;
   ep.rank = ep_rank();
   ep.ranks = ep_size();
