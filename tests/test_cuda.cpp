@@ -272,14 +272,14 @@ TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
             if (shared) counts.back() = n;
             const int routes = n * top_k + (shared ? n : 0);
             const int table = experts + (shared ? 1 : 0);
-            const int group = cuda::expert_major_group(n);
+            const int group = cuda::expert_major_group(n, top_k, experts);
             int items = 0;
             for (int c : counts) {
               ASSERT_LE(c, n);  // a token picks distinct experts: what sizes the token tiles
               items += (c + group - 1) / group;
             }
-            ASSERT_LE(group, cuda::kExpertMajorGroup);
-            ASSERT_GE(group, std::min(n, cuda::kExpertMajorGroup)) << "n " << n;
+            // One token tile while the experts average at most 8 routes, else 4.
+            ASSERT_EQ(group, n * top_k <= 8 * experts ? 8 : cuda::kExpertMajorGroup) << "n " << n;
             ASSERT_LE(items, cuda::expert_major_max_items(routes, table, group))
                 << experts << " experts, top-" << top_k << ", n " << n << ", pattern " << pattern;
             // The workspace is allocated for the smallest group, whose bound is the largest.

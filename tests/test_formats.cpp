@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "cpu/moe_cpu.h"
+#include "cuda/nvfp4_pair_order.h"
 #include "moeinfer/format.h"
 #include "moeinfer/presets.h"
 #include "test_util.h"
@@ -313,6 +315,59 @@ TEST(QuantMatrix, BytesCountCodesAndScales) {
   EXPECT_EQ(quantized_bytes({WeightFormat::kNVFP4}, 768, 2048), 768 * 1024 + 768 * 128 + 4);
   EXPECT_EQ(quantized_bytes({WeightFormat::kFP8, Fp8Scaling::kBlock128}, 200, 300), 200 * 300 + 6 * 4);
   EXPECT_EQ(quantized_bytes({WeightFormat::kBF16}, 3, 5), 30);
+}
+
+// The device's NVFP4 layout (src/cuda/nvfp4_pair_order.h): a permutation of each word's bits
+// that the expert-major kernel decodes with one mask per pair.
+TEST(Nvfp4PairOrder, MovesEveryBitToADistinctPlace) {
+  uint32_t seen = 0;
+  for (int i = 0; i < 32; ++i) {
+    const uint32_t moved = cuda::to_pair_order(1u << i);
+    ASSERT_EQ(moved & (moved - 1), 0u) << "bit " << i << " became " << moved;
+    ASSERT_NE(moved, 0u) << i;
+    EXPECT_EQ(seen & moved, 0u) << "bit " << i << " lands on another bit's place";
+    seen |= moved;
+  }
+  EXPECT_EQ(seen, 0xFFFFFFFFu);
+}
+
+float bf16_bits_times_2_126(uint32_t bits16) {
+  uint32_t f = bits16 << 16;
+  float v;
+  std::memcpy(&v, &f, 4);
+  return v * 0x1p126f;
+}
+
+template <int kPair>
+void expect_pair_decodes(uint32_t others) {
+  for (uint32_t lo = 0; lo < 16; ++lo) {
+    for (uint32_t hi = 0; hi < 16; ++hi) {
+      // Codes lo and hi at values 2p and 2p + 1, other values' codes from `others`.
+      const uint32_t mask = 0xFFu << (8 * kPair);
+      const uint32_t natural = (others & ~mask) | (lo << (8 * kPair)) | (hi << (8 * kPair + 4));
+      const uint32_t stored = cuda::to_pair_order(natural);
+      const uint32_t pair = cuda::pair_order_bf16x2<kPair>(stored);
+      const float got_lo = bf16_bits_times_2_126(pair & 0xFFFFu), got_hi = bf16_bits_times_2_126(pair >> 16);
+      ASSERT_EQ(got_lo, e2m1_to_float(static_cast<uint8_t>(lo))) << "pair " << kPair << " codes " << lo << "," << hi;
+      ASSERT_EQ(got_hi, e2m1_to_float(static_cast<uint8_t>(hi))) << "pair " << kPair << " codes " << lo << "," << hi;
+      ASSERT_EQ(std::signbit(got_lo), (lo & 8u) != 0) << lo;
+      ASSERT_EQ(std::signbit(got_hi), (hi & 8u) != 0) << hi;
+      for (int v = 0; v < 8; ++v) {
+        ASSERT_EQ(cuda::pair_order_code(stored, v), (natural >> (4 * v)) & 0xFu) << "value " << v << " of " << natural;
+      }
+    }
+  }
+}
+
+TEST(Nvfp4PairOrder, EveryPairOfCodesDecodesToItsE2M1ValuesWhateverTheNeighbours) {
+  std::mt19937 rng(7);
+  for (const uint32_t others : {0u, 0xFFFFFFFFu, 0x88888888u, 0x77777777u, static_cast<uint32_t>(rng()),
+                                static_cast<uint32_t>(rng())}) {
+    expect_pair_decodes<0>(others);
+    expect_pair_decodes<1>(others);
+    expect_pair_decodes<2>(others);
+    expect_pair_decodes<3>(others);
+  }
 }
 
 }  // namespace

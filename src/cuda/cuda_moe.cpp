@@ -76,6 +76,12 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
   Result<const uint8_t*> data = arena.upload(m.data);
   if (!data.ok()) return data.status();
   d.data = *data;
+  if (m.spec.format == WeightFormat::kNVFP4) {
+    // The device keeps NVFP4 codes in pair order; the arena's memory is ours to rewrite.
+    MOEINFER_RETURN_IF_ERROR(cuda_status(
+        cuda::launch_nvfp4_pair_order(const_cast<uint8_t*>(*data), static_cast<int64_t>(m.data.size()), nullptr),
+        "NVFP4 pair order"));
+  }
   Result<const float*> scales = arena.upload(m.scales);
   if (!scales.ok()) return scales.status();
   d.scales = *scales;
@@ -282,7 +288,8 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   const PathKind path = impl_->plan.path_for(n);
-  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(tokens) : 0;
+  const LayerDesc& d = impl_->desc;
+  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(tokens, d.top_k, d.num_experts) : 0;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:

@@ -6,11 +6,13 @@
 // Operand layout. The weights are the MMA's A operand (16 rows x 16 k per MMA), the tokens its
 // B operand (16 k x 8 tokens). The four lanes of a quad (lane % 4 = c) each own a contiguous run
 // of V input columns per chunk of 4V columns, V = 16 bytes of weights (32 NVFP4, 16 FP8 or
-// 8 BF16 values), so every lane loads 16 contiguous bytes of a row straight from the natural
-// K-major layout, and 16 or 32 contiguous activations. Within a run the MMA's k order is
-// permuted (k_of below) so that decoding is a few bit operations; A and B use the same
-// permutation, which leaves the dot products unchanged. Columns past the last full chunk go
-// through the same code with V = 4 (one MMA step, 2 to 8 byte loads).
+// 8 BF16 values), so every lane loads 16 contiguous bytes of a row and 16 or 32 contiguous
+// activations. The MMA's k order is the lane's run taken a column pair at a time: step s, slot j
+// of A holds the weights of the run's columns 2(2s + j) and 2(2s + j) + 1, and B the activations'
+// natural bf16 word 2s + j, which leaves the dot products unchanged. NVFP4 codes are kept on the
+// device in pair order (nvfp4_pair_order.h), so such a column pair decodes with one mask after at
+// most a shift or a multiply. Columns past the last full chunk go through the same code with
+// V = 4 (one MMA step; an NVFP4 lane loads the word holding its 4 values).
 //
 // Numbers: bf16 operands, fp32 accumulation. NVFP4 codes become bf16 by moving bits (E2M1 x
 // 2^-126, E2M1's subnormal 0.5 landing on bf16's), then one bf16 multiply by the block scale
@@ -25,6 +27,7 @@
 #include <cstdint>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/nvfp4_pair_order.h"
 #include "moeinfer/format.h"
 #include "moeinfer/layer.h"
 
@@ -43,20 +46,6 @@ enum class Fmt { kNvfp4, kFp8, kBf16 };
 // Values per lane-run in the main loop: 16 bytes of weights.
 template <Fmt F>
 constexpr int kMainRun = F == Fmt::kNvfp4 ? 32 : (F == Fmt::kFp8 ? 16 : 8);
-
-// Position within a lane's run of the value in half h (0 low, 1 high) of the A/B register for
-// MMA step s, register slot j (0: k columns 2c, 2c+1 of the step; 1: 2c+8, 2c+9).
-template <Fmt F, int V>
-__device__ __forceinline__ constexpr int k_of(int s, int j, int h) {
-  if constexpr (F == Fmt::kNvfp4 && V == 32) {
-    // Word q = s / 2 holds values 8q..8q+7; its pair p = (s % 2) * 2 + j is (8q + p, 8q + p + 4).
-    return 8 * (s / 2) + (s % 2) * 2 + j + 4 * h;
-  } else if constexpr (F == Fmt::kNvfp4) {
-    return j + 2 * h;  // V == 4: pairs (0, 2) and (1, 3)
-  } else {
-    return 4 * s + 2 * j + h;  // FP8 and BF16: consecutive pairs
-  }
-}
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -86,12 +75,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes) {
   return pack_bf16(f.x, f.y);
 }
 
-// The E2M1 codes in bits 0-3 and 16-19 of t as a bf16 pair times 2^-126: magnitude bits to the
-// exponent/mantissa boundary (E2M1's subnormal 0.5 lands on bf16's), sign to bit 15.
-__device__ __forceinline__ uint32_t e2m1x2_to_bf16x2(uint32_t t) {
-  return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
-}
-
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
@@ -99,9 +82,10 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Bytes of weights in a run of V values.
+// Bytes of weights a lane loads for a run of V values: an NVFP4 tail run (V = 4) loads the whole
+// word holding its two pairs.
 template <Fmt F, int V>
-constexpr int kRunBytes = F == Fmt::kNvfp4 ? V / 2 : (F == Fmt::kFp8 ? V : 2 * V);
+constexpr int kRunBytes = F == Fmt::kNvfp4 ? (V == 4 ? 4 : V / 2) : (F == Fmt::kFp8 ? V : 2 * V);
 
 // `kBytes` bytes at p into words (16-byte loads where aligned). Weights stream (read once per
 // call); activations are cached.
@@ -162,11 +146,13 @@ __device__ __forceinline__ void load_chunk(const DevMatrix* const (&m)[kMats], i
                                            const Columns<kTiles>& cols, Chunk<F, V, kMats>& ch) {
   const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
   const int k = k0 + c * V;  // this lane's run
+  // An NVFP4 tail run is half a word of codes: lanes 2i and 2i + 1 both load word i.
+  const int k_weights = F == Fmt::kNvfp4 && V == 4 ? k0 + 8 * (c / 2) : k;
 #pragma unroll
   for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows gid and gid + 8 of the tile
-      const int64_t index = static_cast<int64_t>(row0 + gid + 8 * r) * m[mi]->cols + k;
+      const int64_t index = static_cast<int64_t>(row0 + gid + 8 * r) * m[mi]->cols + k_weights;
       const uint8_t* p = m[mi]->data + (F == Fmt::kNvfp4 ? index / 2 : (F == Fmt::kFp8 ? index : 2 * index));
       load_words<kRunBytes<F, V>, true>(p, ch.raw[mi][r]);
       if constexpr (F == Fmt::kNvfp4) {
@@ -185,16 +171,28 @@ __device__ __forceinline__ void load_chunk(const DevMatrix* const (&m)[kMats], i
   load_b<V>(cols.row[0], k, ch.b0);
 }
 
-// The A register of MMA step s, slot j, for one row's run; `scale` holds the NVFP4 block scales
-// (x 2^119) as bf16 pairs (s, s).
+// Pair p (0..3, any value) of a pair-order word as bf16 x 2^-126; the switch folds away where
+// p is a constant.
+__device__ __forceinline__ uint32_t nvfp4_pair(uint32_t word, int p) {
+  switch (p) {
+    case 0: return pair_order_bf16x2<0>(word);
+    case 1: return pair_order_bf16x2<1>(word);
+    case 2: return pair_order_bf16x2<2>(word);
+    default: return pair_order_bf16x2<3>(word);
+  }
+}
+
+// The A register of MMA step s, slot j, for one row's run: the weights of the run's columns
+// 2(2s + j) and 2(2s + j) + 1, which B's natural word 2s + j multiplies. `scale` holds the NVFP4
+// block scales (x 2^119) as bf16 pairs (s, s).
 template <Fmt F, int V>
 __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint32_t (&scale)[2], int s, int j) {
   if constexpr (F == Fmt::kNvfp4 && V == 32) {
-    const int q = s / 2, pair = (s % 2) * 2 + j;
-    return mul_bf16x2(e2m1x2_to_bf16x2(raw[q] >> (4 * pair)), scale[q / 2]);
+    const int q = s / 2;  // word q holds the run's values 8q .. 8q + 7: pairs 4q .. 4q + 3
+    return mul_bf16x2(nvfp4_pair(raw[q], (s % 2) * 2 + j), scale[q / 2]);
   } else if constexpr (F == Fmt::kNvfp4) {
-    const uint32_t spread = (raw[0] & 0xFFu) | ((raw[0] & 0xFF00u) << 8);  // codes 0,1 | codes 2,3 at bit 16
-    return mul_bf16x2(e2m1x2_to_bf16x2(spread >> (4 * j)), scale[0]);
+    const int c = threadIdx.x % 4;  // lane c's 4 values are pairs 2 (c % 2) and 2 (c % 2) + 1 of its word
+    return mul_bf16x2(nvfp4_pair(raw[0], 2 * (c % 2) + j), scale[0]);
   } else if constexpr (F == Fmt::kFp8) {
     return e4m3x2_to_bf16x2(raw[s] >> (16 * j));
   } else {
@@ -202,17 +200,11 @@ __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint3
   }
 }
 
-// The B register of step s, slot j from V natural-order bf16 values (pairs per word).
-template <Fmt F, int V>
+// The B register of step s, slot j: the activations' natural bf16 word 2s + j (the columns the
+// A register of the same step and slot holds, for every format).
+template <int V>
 __device__ __forceinline__ uint32_t b_reg(const uint32_t (&w)[V / 2], int s, int j) {
-  constexpr bool kNatural = F != Fmt::kNvfp4;
-  if constexpr (kNatural) {
-    return w[2 * s + j];
-  } else {
-    const int lo = k_of<F, V>(s, j, 0), hi = k_of<F, V>(s, j, 1);
-    const uint32_t selector = (lo % 2 ? 0x32u : 0x10u) | (hi % 2 ? 0x7600u : 0x5400u);
-    return __byte_perm(w[lo / 2], w[hi / 2], selector);
-  }
+  return w[2 * s + j];
 }
 
 // The MMAs of one chunk of 4V input columns starting at k0, for kMats matrices sharing the B
@@ -252,7 +244,7 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, int k0, 
       for (int s = 0; s < kSteps; ++s) {
         const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
                                decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
-        mma_bf16_16816(part, a, b_reg<F, V>(w, s, 0), b_reg<F, V>(w, s, 1));
+        mma_bf16_16816(part, a, b_reg<V>(w, s, 0), b_reg<V>(w, s, 1));
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
@@ -307,47 +299,14 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
   return route < routed ? route / L.top_k : route - routed;
 }
 
-// Grid: (row tiles of the widest matrix, max work items). Block: 4 warps splitting K; the
-// partial sums meet in shared memory, and warp t finishes token tile t.
-// kGateUp: gate and up of the item's routes -> activation (bf16). Otherwise: down of the
-// activations -> expert_out (fp32).
-template <bool kGateUp, int kTiles>
-__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, int n, DevWorkspace ws) {
-  constexpr int kMats = kGateUp ? 2 : 1;
+// The part of one block after its MMAs: the 4 warps' partial sums meet in shared memory, warp t
+// finishes token tile t. kGateUp: gate and up -> activation (bf16); otherwise down ->
+// expert_out (fp32).
+template <bool kGateUp, int kTiles, int kMats>
+__device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
+                                            int tiles, const float (&acc)[kTiles][kMats][4]) {
   __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
-  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
-  const int4 item = ws.items[blockIdx.y];  // {expert, first, count, -}
-  const DevExpert& ex = L.experts[item.x];
-  const DevMatrix* mats[kMats];
-  if constexpr (kGateUp) {
-    mats[0] = &ex.gate, mats[1] = &ex.up;
-  } else {
-    mats[0] = &ex.down;
-  }
-  const int row0 = blockIdx.x * kRows;
-  if (row0 >= mats[0]->rows) return;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-  const int tiles = (item.z + kTile - 1) / kTile;
-
-  Columns<kTiles> cols;
-#pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile) {
-    const int slot = tile * kTile + gid;
-    cols.row[tile] = nullptr;
-    if (slot < item.z) {
-      const int route = ws.route_list[item.y + slot];
-      cols.row[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
-                               : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
-    }
-  }
-
-  float acc[kTiles][kMats][4] = {};
-  switch (mats[0]->format) {
-    case static_cast<uint8_t>(WeightFormat::kNVFP4): mma_rows<Fmt::kNvfp4, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
-    case static_cast<uint8_t>(WeightFormat::kFP8): mma_rows<Fmt::kFp8, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
-  }
-
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
 #pragma unroll
@@ -368,6 +327,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, i
   }
 
   // Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
+  const DevExpert& ex = L.experts[item.x];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = row0 + gid + 8 * (i / 2), slot = tile * kTile + 2 * c + i % 2;
@@ -389,6 +349,64 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_major(DevLayer L, i
   }
 }
 
+// The MMAs of one work item (its routes, 16 rows of its expert) and their epilogue.
+template <bool kGateUp, int kTiles>
+__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0) {
+  constexpr int kMats = kGateUp ? 2 : 1;
+  const DevExpert& ex = L.experts[item.x];
+  const DevMatrix* mats[kMats];
+  if constexpr (kGateUp) {
+    mats[0] = &ex.gate, mats[1] = &ex.up;
+  } else {
+    mats[0] = &ex.down;
+  }
+  const int gid = threadIdx.x % kWarp / 4;
+  const int tiles = (item.z + kTile - 1) / kTile;
+
+  Columns<kTiles> cols;
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    const int slot = tile * kTile + gid;
+    cols.row[tile] = nullptr;
+    if (slot < item.z) {
+      const int route = ws.route_list[item.y + slot];
+      cols.row[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                               : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
+    }
+  }
+
+  float acc[kTiles][kMats][4] = {};
+  switch (mats[0]->format) {
+    case static_cast<uint8_t>(WeightFormat::kNVFP4):
+      mma_rows<Fmt::kNvfp4, kMats, kTiles>(mats, row0, tiles, cols, acc);
+      break;
+    case static_cast<uint8_t>(WeightFormat::kFP8):
+      mma_rows<Fmt::kFp8, kMats, kTiles>(mats, row0, tiles, cols, acc);
+      break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
+  }
+  finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
+}
+
+// Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
+// Gate and up of the item's routes -> activation (bf16).
+template <int kTiles>
+__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
+  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
+  const int4 item = ws.items[blockIdx.y];  // {expert, first, count, -}
+  const int row0 = blockIdx.x * kRows;
+  if (row0 >= L.experts[item.x].gate.rows) return;
+  run_item<true, kTiles>(L, n, ws, item, row0);
+}
+
+// Grid: (16-row tiles of H, max work items). Block: 4 warps splitting K. Down of the item's
+// activations -> expert_out (fp32); the blend kernel sums them per token.
+template <int kTiles>
+__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, int n, DevWorkspace ws) {
+  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
+  run_item<false, kTiles>(L, n, ws, ws.items[blockIdx.y], blockIdx.x * kRows);
+}
+
 }  // namespace
 
 namespace {
@@ -396,11 +414,11 @@ namespace {
 template <int kTiles>
 cudaError_t launch_gemms(const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
   const dim3 gate_up_grid((L.act_stride + kRows - 1) / kRows, max_items);
-  moe_expert_major<true, kTiles><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  moe_expert_gate_up<kTiles><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 down_grid((L.hidden + kRows - 1) / kRows, max_items);
-  moe_expert_major<false, kTiles><<<down_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+  moe_expert_down<kTiles><<<down_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
   return cudaGetLastError();
 }
 
@@ -410,14 +428,10 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
                                     cudaStream_t stream) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  const int group = expert_major_group(n);
+  const int group = expert_major_group(n, L.top_k, L.num_experts);
   const int max_items = expert_major_max_items(routes, experts, group);
-  cudaError_t err;
-  switch (group / kTile) {
-    case 1: err = launch_gemms<1>(L, n, ws, max_items, stream); break;
-    case 2: err = launch_gemms<2>(L, n, ws, max_items, stream); break;
-    default: err = launch_gemms<kMaxTiles>(L, n, ws, max_items, stream); break;
-  }
+  const cudaError_t err = group == kTile ? launch_gemms<1>(L, n, ws, max_items, stream)
+                                         : launch_gemms<kMaxTiles>(L, n, ws, max_items, stream);
   if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
 }

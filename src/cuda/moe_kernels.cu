@@ -10,6 +10,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/nvfp4_pair_order.h"
 #include "moeinfer/format.h"
 #include "moeinfer/layer.h"
 #include "moeinfer/plan.h"
@@ -52,9 +53,9 @@ __device__ __forceinline__ float load_weight(const DevMatrix& m, int r, int c) {
     }
     case static_cast<uint8_t>(WeightFormat::kFP8):
       return e4m3_value(m.data[i]) * fp8_scale(m, r, c);
-    default: {  // NVFP4: element 2i in the low nibble of byte i
-      const uint8_t byte = m.data[i / 2];
-      const uint32_t code = (i % 2 == 0) ? (byte & 0xFu) : (byte >> 4);
+    default: {  // NVFP4: words of 8 codes in pair order
+      const uint32_t word = reinterpret_cast<const uint32_t*>(m.data)[i / 8];
+      const uint32_t code = pair_order_code(word, static_cast<int>(i % 8));
       const float block = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]);
       return e2m1_value(code) * block * m.global_scale;
     }
@@ -90,7 +91,7 @@ __device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, 
       const uint32_t v = *reinterpret_cast<const uint32_t*>(m.data + i / 2);
       const float s = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]) * m.global_scale;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = e2m1_value(v >> (4 * j)) * s;  // nibble j = element c + j
+      for (int j = 0; j < 8; ++j) w[j] = e2m1_value(pair_order_code(v, j)) * s;  // element c + j
       return;
     }
   }
@@ -125,7 +126,7 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
       for (int q = 0; q < 4; ++q) {
         float w[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = e2m1_value(words[q] >> (4 * j)) * (q < 2 ? s0 : s1);
+        for (int j = 0; j < 8; ++j) w[j] = e2m1_value(pair_order_code(words[q], j)) * (q < 2 ? s0 : s1);
         acc += dot8(w, x + c + 8 * q);
       }
     }
@@ -842,6 +843,26 @@ cudaError_t launch_moe_per_row(const DevLayer& L, const float* x, int n, const D
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
+}
+
+namespace {
+
+__global__ void __launch_bounds__(256) nvfp4_pair_order_kernel(uint32_t* words, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    words[i] = to_pair_order(words[i]);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_nvfp4_pair_order(uint8_t* codes, int64_t bytes, cudaStream_t stream) {
+  if (bytes % 4 != 0 || reinterpret_cast<uintptr_t>(codes) % 4 != 0) return cudaErrorInvalidValue;
+  const int64_t words = bytes / 4;
+  if (words == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((words + 255) / 256, 4096);
+  nvfp4_pair_order_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(codes), words);
+  return cudaGetLastError();
 }
 
 namespace {

@@ -10,9 +10,10 @@
 
 namespace moeinfer::cuda {
 
-// One quantized matrix [rows, cols], K-major, as uploaded (same byte layout as QuantMatrix).
+// One quantized matrix [rows, cols], K-major, as uploaded: QuantMatrix's byte layout, except that
+// NVFP4 codes are rewritten into pair order after the upload.
 struct DevMatrix {
-  const uint8_t* data = nullptr;
+  const uint8_t* data = nullptr;          // NVFP4: words of 8 codes in pair order (nvfp4_pair_order.h)
   const float* scales = nullptr;          // FP8 dequant scales
   const uint8_t* block_scales = nullptr;  // NVFP4 E4M3 scales, one per 16 inputs
   const float* bias = nullptr;            // [rows] or null
@@ -100,10 +101,14 @@ struct DevWorkspace {
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
 inline constexpr int kExpertMajorGroup = 32;
 
-// Routes per work item for a call of n tokens: an expert gets at most n routes (top-k picks
-// distinct experts), so small calls need one or two token tiles per block, and fewer
-// accumulators mean more blocks per SM.
-inline int expert_major_group(int n) { return n <= 8 ? 8 : (n <= 16 ? 16 : kExpertMajorGroup); }
+// Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
+// tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
+// average 8 routes or fewer, although an expert (the shared one above all) with more routes is
+// then read once per 8; measured 1.4-1.5x faster at N = 32-128 than 4 tiles (docs/PERF.md,
+// v3.4). Past that average, 4 tiles.
+inline int expert_major_group(int n, int top_k, int experts) {
+  return static_cast<int64_t>(n) * top_k <= int64_t{8} * experts ? 8 : kExpertMajorGroup;
+}
 
 // Work items the expert-major grid is sized for when items hold up to `group` routes of one
 // expert: at most one per `group` routes plus one per expert, and at most one per route.
@@ -126,6 +131,9 @@ cudaError_t launch_moe_blend(const DevLayer& layer, const float* x, int n, const
                              cudaStream_t stream);
 cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                float* out, cudaStream_t stream);
+// Rewrites NVFP4 codes uploaded in checkpoint order into the device's pair order
+// (nvfp4_pair_order.h), in place. `bytes` is a multiple of 4.
+cudaError_t launch_nvfp4_pair_order(uint8_t* codes, int64_t bytes, cudaStream_t stream);
 // One streaming pass reading `count` float4 values; per-block partial sums go to `sink`
 // ([blocks] floats) so the reads cannot be optimised away.
 cudaError_t launch_stream_read(const float4* data, int64_t count, float* sink, int blocks, cudaStream_t stream);
