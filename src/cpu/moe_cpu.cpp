@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -35,58 +37,165 @@ float dot(const float* a, const float* b, int64_t n) {
 float sigmoidf(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
 #if defined(__x86_64__)
-// NVFP4 row decode with AVX2, 16 values (8 bytes, one block scale) per step: the nibbles are
-// split and interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up
-// 2 * E2M1 as a signed integer, and the integers become floats times half the block scale
-// (exact: at most 6 significant bits) times the global scale, the one rounding, as in
-// QuantMatrix::dequantize_row. Only the sign of a zero can differ (-0 decodes as +0).
-__attribute__((target("avx2,fma"))) void decode_nvfp4_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
-  const int64_t groups = m.cols / kNvfp4Group;
-  const uint8_t* bytes = m.data.data() + r * m.cols / 2;
+// NVFP4 with AVX2, 16 values (8 bytes, one block scale) per step: the nibbles are split and
+// interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up 2 * E2M1 as a
+// signed integer, and the integers become floats times half the block scale (exact: at most 6
+// significant bits) times the global scale, the one rounding, as in QuantMatrix::dequantize_row.
+// Only the sign of a zero can differ (-0 decodes as +0).
+struct Nvfp4Group {
+  __m256 first, second;  // values 0-7, 8-15
+};
+
+// The 16 codes at `bytes` as 2 * E2M1, integers in float vectors.
+__attribute__((target("avx2,fma"))) inline Nvfp4Group nvfp4_twice_avx2(const uint8_t* bytes) {
   const __m128i twice_e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i low = _mm_and_si128(packed, nibble);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+  const __m128i twice = _mm_shuffle_epi8(twice_e2m1, _mm_unpacklo_epi8(low, high));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(twice)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(twice, 8)))};
+}
+
+// Half of every E4M3 value (exact), by code: an NVFP4 block scale for 2 * E2M1 integers.
+const float* e4m3_halves() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = e4m3_to_float(static_cast<uint8_t>(c)) * 0.5f;
+    return t;
+  }();
+  return table.data();
+}
+
+// Group g of row r decoded: the integers times half the block scale (exact) times the global
+// scale, the one rounding.
+__attribute__((target("avx2,fma"))) inline Nvfp4Group nvfp4_group_avx2(const QuantMatrix& m, int64_t r, int64_t g) {
+  const int64_t groups = m.cols / kNvfp4Group;
   const __m256 global = _mm256_set1_ps(m.global_scale);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 half_block =
-        _mm256_set1_ps(e4m3_to_float(m.block_scales[static_cast<size_t>(r * groups + g)]) * 0.5f);
-    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + g * kNvfp4Group / 2));
-    const __m128i low = _mm_and_si128(packed, nibble);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-    const __m128i twice = _mm_shuffle_epi8(twice_e2m1, _mm_unpacklo_epi8(low, high));
-    const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(twice));
-    const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(twice, 8)));
-    _mm256_storeu_ps(out + g * kNvfp4Group, _mm256_mul_ps(_mm256_mul_ps(first, half_block), global));
-    _mm256_storeu_ps(out + g * kNvfp4Group + 8, _mm256_mul_ps(_mm256_mul_ps(second, half_block), global));
+  const __m256 half_block = _mm256_set1_ps(e4m3_halves()[m.block_scales[static_cast<size_t>(r * groups + g)]]);
+  const Nvfp4Group twice = nvfp4_twice_avx2(m.data.data() + (r * m.cols + g * kNvfp4Group) / 2);
+  return {_mm256_mul_ps(_mm256_mul_ps(twice.first, half_block), global),
+          _mm256_mul_ps(_mm256_mul_ps(twice.second, half_block), global)};
+}
+
+__attribute__((target("avx2,fma"))) void decode_nvfp4_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
+  for (int64_t g = 0; g < m.cols / kNvfp4Group; ++g) {
+    const Nvfp4Group v = nvfp4_group_avx2(m, r, g);
+    _mm256_storeu_ps(out + g * kNvfp4Group, v.first);
+    _mm256_storeu_ps(out + g * kNvfp4Group + 8, v.second);
   }
 }
 
 // FP8 E4M3 row decode with AVX2, 8 values per step: a code's sign, exponent and mantissa bits
 // moved into a float's (E4M3 x 2^-120, subnormals included) times 2^120 is the code's value
 // exactly; the NaN codes stay NaN; then the scale, the one rounding, as in dequantize_row.
-__attribute__((target("avx2,fma"))) void decode_fp8_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
-  const uint8_t* codes = m.data.data() + r * m.cols;
+__attribute__((target("avx2,fma"))) inline __m256 fp8_octet_avx2(const uint8_t* codes, __m256 scale) {
   const __m256i sign = _mm256_set1_epi32(0x80), magnitude = _mm256_set1_epi32(0x7F);
   const __m256 rebias = _mm256_set1_ps(0x1p120f), nan = _mm256_set1_ps(std::nanf(""));
-  // One scale per 128 columns (block), per row (channel) or for all (tensor).
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i m7 = _mm256_and_si256(b, magnitude);
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, sign), 24), _mm256_slli_epi32(m7, 20));
+  __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias);
+  v = _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m7, magnitude)));
+  return _mm256_mul_ps(v, scale);
+}
+
+// The FP8 scale of row r's columns from c0: one per 128 columns (block), per row (channel) or
+// for all (tensor); and the columns it covers, to c1.
+float fp8_span_scale(const QuantMatrix& m, int64_t r, int64_t c0, int64_t* c1) {
   const int64_t span = m.spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : m.cols;
-  for (int64_t c0 = 0; c0 < m.cols; c0 += span) {
-    int64_t s = 0;
-    if (m.spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * m.fp8_scale_cols() + c0 / kFp8Block;
-    else if (m.spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
-    const float scale = m.scales[static_cast<size_t>(s)];
-    const __m256 scale8 = _mm256_set1_ps(scale);
-    const int64_t c1 = std::min(m.cols, c0 + span);
+  *c1 = std::min(m.cols, c0 + span);
+  int64_t s = 0;
+  if (m.spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * m.fp8_scale_cols() + c0 / kFp8Block;
+  else if (m.spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
+  return m.scales[static_cast<size_t>(s)];
+}
+
+__attribute__((target("avx2,fma"))) void decode_fp8_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
+  const uint8_t* codes = m.data.data() + r * m.cols;
+  for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
+    const float scale = fp8_span_scale(m, r, c0, &c1);
     int64_t c = c0;
-    for (; c + 8 <= c1; c += 8) {
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
-      const __m256i m7 = _mm256_and_si256(b, magnitude);
-      const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, sign), 24), _mm256_slli_epi32(m7, 20));
-      __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias);
-      v = _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m7, magnitude)));
-      _mm256_storeu_ps(out + c, _mm256_mul_ps(v, scale8));
-    }
+    for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(out + c, fp8_octet_avx2(codes + c, _mm256_set1_ps(scale)));
     for (; c < c1; ++c) out[c] = e4m3_to_float(codes[c]) * scale;
   }
+}
+
+// BF16, 8 values: the bits moved to a float's upper half (exact).
+__attribute__((target("avx2,fma"))) inline __m256 bf16_octet_avx2(const uint8_t* bytes) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+__attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// acc[j] += w * (x + j * stride)[0..8) for j < M.
+template <int M>
+__attribute__((target("avx2,fma"))) inline void fma_tokens(__m256 (&acc)[M], __m256 w, const float* x, int64_t stride) {
+  for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + j * stride), acc[j]);
+}
+
+// out[j] = row r of m . (x + j * stride), j < M: every weight decoded once, in registers, and
+// used by all M tokens (no row buffer). Columns past the last 8 go one at a time.
+template <int M>
+__attribute__((target("avx2,fma"))) void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
+                                                       float* out) {
+  __m256 acc[M];
+  float tail[M];
+  for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps(), tail[j] = 0.0f;
+  switch (m.spec.format) {
+    case WeightFormat::kNVFP4: {
+      // Per group: the 2 * E2M1 integers times each token, that sum times half the block scale;
+      // the global scale once at the end.
+      const int64_t groups = m.cols / kNvfp4Group;
+      const float* halves = e4m3_halves();
+      const uint8_t* block = m.block_scales.data() + r * groups;
+      const uint8_t* codes = m.data.data() + r * m.cols / 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        const Nvfp4Group twice = nvfp4_twice_avx2(codes + g * kNvfp4Group / 2);
+        const __m256 scale = _mm256_set1_ps(halves[block[g]]);
+        for (int j = 0; j < M; ++j) {
+          const float* xj = x + j * stride + g * kNvfp4Group;
+          const __m256 low = _mm256_mul_ps(twice.first, _mm256_loadu_ps(xj));
+          const __m256 part = _mm256_fmadd_ps(twice.second, _mm256_loadu_ps(xj + 8), low);
+          acc[j] = _mm256_fmadd_ps(part, scale, acc[j]);
+        }
+      }
+      for (int j = 0; j < M; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(m.global_scale));
+      break;
+    }
+    case WeightFormat::kFP8: {
+      const uint8_t* codes = m.data.data() + r * m.cols;
+      for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
+        const float scale = fp8_span_scale(m, r, c0, &c1);
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) fma_tokens<M>(acc, fp8_octet_avx2(codes + c, _mm256_set1_ps(scale)), x + c, stride);
+        for (; c < c1; ++c) {
+          const float w = e4m3_to_float(codes[c]) * scale;
+          for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
+        }
+      }
+      break;
+    }
+    case WeightFormat::kBF16: {
+      const uint8_t* bytes = m.data.data() + r * m.cols * 2;
+      int64_t c = 0;
+      for (; c + 8 <= m.cols; c += 8) fma_tokens<M>(acc, bf16_octet_avx2(bytes + 2 * c), x + c, stride);
+      for (; c < m.cols; ++c) {
+        uint16_t code;
+        std::memcpy(&code, bytes + 2 * c, 2);
+        const float w = bf16_to_float(code);
+        for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
+      }
+      break;
+    }
+  }
+  for (int j = 0; j < M; ++j) out[j] = sum8(acc[j]) + tail[j];
 }
 #endif
 
@@ -107,6 +216,25 @@ void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out) {
   m.dequantize_row(r, out);
 }
 
+void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
+                  std::vector<float>& row) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) {
+    switch (tokens) {
+      case 1: row_dots_avx2<1>(m, r, x, stride, out); return;
+      case 2: row_dots_avx2<2>(m, r, x, stride, out); return;
+      case 3: row_dots_avx2<3>(m, r, x, stride, out); return;
+      case 4: row_dots_avx2<4>(m, r, x, stride, out); return;
+      default: break;
+    }
+  }
+#endif
+  row.resize(static_cast<size_t>(m.cols));
+  cpu_decode_row(m, r, row.data());
+  for (int64_t j = 0; j < tokens; ++j) out[j] = dot(row.data(), x + j * stride, m.cols);
+}
+
 namespace {
 
 float activate(const LayerDesc& d, float g, float u) {
@@ -118,8 +246,8 @@ float activate(const LayerDesc& d, float g, float u) {
   return g * sigmoidf(g) * u;
 }
 
-// One expert applied to m tokens: in [m, H] -> y [m, H]. Rows of each weight matrix are decoded
-// once and used for all m tokens.
+// One expert applied to m tokens: in [m, H] -> y [m, H]. Each weight row is decoded once and
+// used for all m tokens (cpu_row_dots).
 void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<float>& in, int64_t m,
                   std::vector<float>& act, std::vector<float>& y) {
   const int64_t h = d.hidden, inter = w.gate.rows;
@@ -127,26 +255,23 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
   y.assign(static_cast<size_t>(m * h), 0.0f);
 #pragma omp parallel if (inter * h >= kParallelMinElements)
   {
-    std::vector<float> g_row(static_cast<size_t>(h)), u_row(static_cast<size_t>(h));
+    std::vector<float> row, g(static_cast<size_t>(m)), u(static_cast<size_t>(m));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < inter; ++i) {
-      cpu_decode_row(w.gate, i, g_row.data());
-      cpu_decode_row(w.up, i, u_row.data());
+      cpu_row_dots(w.gate, i, in.data(), h, m, g.data(), row);
+      cpu_row_dots(w.up, i, in.data(), h, m, u.data(), row);
       const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
       const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
       for (int64_t j = 0; j < m; ++j) {
-        const float* xj = in.data() + j * h;
-        act[static_cast<size_t>(j * inter + i)] = activate(d, dot(g_row.data(), xj, h) + gb, dot(u_row.data(), xj, h) + ub);
+        const auto jj = static_cast<size_t>(j);
+        act[static_cast<size_t>(j * inter + i)] = activate(d, g[jj] + gb, u[jj] + ub);
       }
     }
-    std::vector<float> d_row(static_cast<size_t>(inter));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < h; ++r) {
-      cpu_decode_row(w.down, r, d_row.data());
+      cpu_row_dots(w.down, r, act.data(), inter, m, g.data(), row);
       const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
-      for (int64_t j = 0; j < m; ++j) {
-        y[static_cast<size_t>(j * h + r)] = dot(d_row.data(), act.data() + j * inter, inter) + db;
-      }
+      for (int64_t j = 0; j < m; ++j) y[static_cast<size_t>(j * h + r)] = g[static_cast<size_t>(j)] + db;
     }
   }
 }

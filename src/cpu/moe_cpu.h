@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "moeinfer/backend.h"
 #include "moeinfer/format.h"
@@ -23,5 +24,10 @@ std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep = {});
 // Row r of m as floats, the values of QuantMatrix::dequantize_row (the sign of a zero aside),
 // decoded with AVX2 where the CPU has it.
 void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out);
+
+// out[j] = row r of m . (x + j * stride) for j < tokens, each weight decoded once: in registers
+// with AVX2 for up to 4 tokens, else into `row` (scratch) and dotted with each token.
+void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
+                  std::vector<float>& row);
 
 }  // namespace moeinfer
