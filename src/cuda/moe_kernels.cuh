@@ -104,7 +104,7 @@ inline constexpr int kExpertMajorGroup = 32;
 // Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
 // tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
 // average 8 routes or fewer, although an expert (the shared one above all) with more routes is
-// then read once per 8; measured 1.4-1.5x faster at N = 32-128 than 4 tiles (docs/PERF.md,
+// then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
 // v3.4). Past that average, 4 tiles.
 inline int expert_major_group(int n, int top_k, int experts) {
   return static_cast<int64_t>(n) * top_k <= int64_t{8} * experts ? 8 : kExpertMajorGroup;
