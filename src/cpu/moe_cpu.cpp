@@ -40,15 +40,21 @@ float sigmoidf(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 // The SIMD paths below need AVX2, FMA and F16C, which the dispatchers check at run time.
 #define MOEINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+bool has_avx2_fma_f16c() {
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+struct Floats16 {
+  __m256 first, second;  // values 0-7, 8-15
+};
+
 // NVFP4 with AVX2, 16 values (8 bytes, one block scale) per step: the nibbles are split and
 // interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up 2 * E2M1 as a
 // signed integer, and the integers become floats times half the block scale (exact: at most 6
 // significant bits) times the global scale, the one rounding, as in QuantMatrix::dequantize_row.
 // Only the sign of a zero can differ (-0 decodes as +0).
-struct Floats16 {
-  __m256 first, second;  // values 0-7, 8-15
-};
-
 // The 16 codes at `bytes` as 2 * E2M1, integers in float vectors.
 MOEINFER_AVX2 inline Floats16 nvfp4_twice_avx2(const uint8_t* bytes) {
   const __m128i twice_e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
@@ -152,8 +158,7 @@ MOEINFER_AVX2 inline void fma_tokens(__m256 (&acc)[M], __m256 w, const float* x,
 // out[j] = row r of m . (x + j * stride), j < M: every weight decoded once, in registers, and
 // used by all M tokens (no row buffer). Columns past the last 8 go one at a time.
 template <int M>
-MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
-                                                       float* out) {
+MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
   __m256 acc[M];
   float tail[M];
   for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps(), tail[j] = 0.0f;
@@ -221,13 +226,11 @@ MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x
 
 void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out) {
 #if defined(__x86_64__)
-  static const bool avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && m.spec.format == WeightFormat::kNVFP4) {
+  if (has_avx2_fma_f16c() && m.spec.format == WeightFormat::kNVFP4) {
     decode_nvfp4_row_avx2(m, r, out);
     return;
   }
-  if (avx2 && m.spec.format == WeightFormat::kFP8) {
+  if (has_avx2_fma_f16c() && m.spec.format == WeightFormat::kFP8) {
     decode_fp8_row_avx2(m, r, out);
     return;
   }
@@ -238,9 +241,7 @@ void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out) {
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row) {
 #if defined(__x86_64__)
-  static const bool avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2) {
+  if (has_avx2_fma_f16c()) {
     switch (tokens) {
       case 1: row_dots_avx2<1>(m, r, x, stride, out); return;
       case 2: row_dots_avx2<2>(m, r, x, stride, out); return;
@@ -275,7 +276,7 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
   y.assign(static_cast<size_t>(m * h), 0.0f);
 #pragma omp parallel if (inter * h >= kParallelMinElements)
   {
-    std::vector<float> row, g(static_cast<size_t>(m)), u(static_cast<size_t>(m));
+    std::vector<float> row, g(static_cast<size_t>(m)), u(static_cast<size_t>(m)), down(static_cast<size_t>(m));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < inter; ++i) {
       cpu_row_dots(w.gate, i, in.data(), h, m, g.data(), row);
@@ -289,9 +290,9 @@ void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < h; ++r) {
-      cpu_row_dots(w.down, r, act.data(), inter, m, g.data(), row);
+      cpu_row_dots(w.down, r, act.data(), inter, m, down.data(), row);
       const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
-      for (int64_t j = 0; j < m; ++j) y[static_cast<size_t>(j * h + r)] = g[static_cast<size_t>(j)] + db;
+      for (int64_t j = 0; j < m; ++j) y[static_cast<size_t>(j * h + r)] = down[static_cast<size_t>(j)] + db;
     }
   }
 }
