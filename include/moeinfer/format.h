@@ -98,6 +98,9 @@ struct QuantMatrix {
   // Shape of the FP8 scale grid for this matrix's scaling.
   int64_t fp8_scale_rows() const;
   int64_t fp8_scale_cols() const;
+  // FP8: the scale of row r's columns from c0 on, and in *c1 the end of the columns it covers:
+  // one scale per 128 columns (block), per row (channel) or for the whole row (tensor).
+  float fp8_span_scale(int64_t r, int64_t c0, int64_t* c1) const;
 };
 
 // Bytes of a rows x cols matrix stored as `spec`, codes plus scales.

@@ -166,6 +166,15 @@ int64_t QuantMatrix::fp8_scale_cols() const {
   return spec.fp8_scaling == Fp8Scaling::kBlock128 ? ceil_div(cols, kFp8Block) : 1;
 }
 
+float QuantMatrix::fp8_span_scale(int64_t r, int64_t c0, int64_t* c1) const {
+  const int64_t span = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : cols;
+  *c1 = std::min(cols, c0 + span);
+  int64_t s = 0;
+  if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * fp8_scale_cols() + c0 / kFp8Block;
+  else if (spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
+  return scales[static_cast<size_t>(s)];
+}
+
 int64_t quantized_bytes(QuantSpec spec, int64_t rows, int64_t cols) {
   switch (spec.format) {
     case WeightFormat::kBF16: return rows * cols * 2;
@@ -331,14 +340,8 @@ void QuantMatrix::dequantize_row(int64_t r, float* out) const {
       return;
     case WeightFormat::kFP8: {
       const uint8_t* codes = data.data() + r * cols;
-      // One scale per 128 columns (block), per row (channel) or for all (tensor).
-      const int64_t span = spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : cols;
-      for (int64_t c0 = 0; c0 < cols; c0 += span) {
-        int64_t s = 0;
-        if (spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * fp8_scale_cols() + c0 / kFp8Block;
-        else if (spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
-        const float scale = scales[static_cast<size_t>(s)];
-        const int64_t c1 = std::min(cols, c0 + span);
+      for (int64_t c0 = 0, c1 = 0; c0 < cols; c0 = c1) {
+        const float scale = fp8_span_scale(r, c0, &c1);
         for (int64_t c = c0; c < c1; ++c) out[c] = e4m3_to_float(codes[c]) * scale;
       }
       return;

@@ -110,21 +110,10 @@ MOEINFER_AVX2 inline Floats16 fp8_16_avx2(const uint8_t* codes) {
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(half)), _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1))};
 }
 
-// The FP8 scale of row r's columns from c0: one per 128 columns (block), per row (channel) or
-// for all (tensor); and the columns it covers, to c1.
-float fp8_span_scale(const QuantMatrix& m, int64_t r, int64_t c0, int64_t* c1) {
-  const int64_t span = m.spec.fp8_scaling == Fp8Scaling::kBlock128 ? kFp8Block : m.cols;
-  *c1 = std::min(m.cols, c0 + span);
-  int64_t s = 0;
-  if (m.spec.fp8_scaling == Fp8Scaling::kBlock128) s = (r / kFp8Block) * m.fp8_scale_cols() + c0 / kFp8Block;
-  else if (m.spec.fp8_scaling == Fp8Scaling::kPerChannel) s = r;
-  return m.scales[static_cast<size_t>(s)];
-}
-
 MOEINFER_AVX2 void decode_fp8_row_avx2(const QuantMatrix& m, int64_t r, float* out) {
   const uint8_t* codes = m.data.data() + r * m.cols;
   for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
-    const float scale = fp8_span_scale(m, r, c0, &c1);
+    const float scale = m.fp8_span_scale(r, c0, &c1);
     // (value x 2^-8) x 2^8 is exact; the scale is the one rounding, as in dequantize_row.
     const __m256 up = _mm256_set1_ps(0x1p8f), scale8 = _mm256_set1_ps(scale);
     int64_t c = c0;
@@ -187,7 +176,7 @@ MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x
       const uint8_t* codes = m.data.data() + r * m.cols;
       // Each span's values x 2^-8 times the tokens, then that sum times 2^8 and the span's scale.
       for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
-        const float scale = fp8_span_scale(m, r, c0, &c1);
+        const float scale = m.fp8_span_scale(r, c0, &c1);
         __m256 span[M];
         for (int j = 0; j < M; ++j) span[j] = _mm256_setzero_ps();
         int64_t c = c0;
