@@ -41,11 +41,14 @@ constexpr int kRows = 16;                             // output rows per block (
 constexpr int kTile = 8;                              // routes per MMA (N)
 constexpr int kMaxTiles = kExpertMajorGroup / kTile;  // token tiles per block
 
-enum class Fmt { kNvfp4, kFp8, kBf16 };
+// How the weights are read: FP8 under block-128 scales scales each chunk's sum on its own.
+enum class Fmt { kNvfp4, kFp8, kFp8Block, kBf16 };
+
+__host__ __device__ constexpr bool is_fp8(Fmt f) { return f == Fmt::kFp8 || f == Fmt::kFp8Block; }
 
 // Values per lane-run in the main loop: 16 bytes of weights.
 template <Fmt F>
-constexpr int kMainRun = F == Fmt::kNvfp4 ? 32 : (F == Fmt::kFp8 ? 16 : 8);
+constexpr int kMainRun = F == Fmt::kNvfp4 ? 32 : (is_fp8(F) ? 16 : 8);
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -82,41 +85,55 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Bytes of `cols` consecutive weights of a row.
+template <Fmt F>
+__device__ __forceinline__ unsigned weight_bytes(unsigned cols) {
+  return F == Fmt::kNvfp4 ? cols / 2 : (is_fp8(F) ? cols : 2 * cols);
+}
+
 // Bytes of weights a lane loads for a run of V values: an NVFP4 tail run (V = 4) loads the whole
 // word holding its two pairs.
 template <Fmt F, int V>
-constexpr int kRunBytes = F == Fmt::kNvfp4 ? (V == 4 ? 4 : V / 2) : (F == Fmt::kFp8 ? V : 2 * V);
+constexpr int kRunBytes = F == Fmt::kNvfp4 ? (V == 4 ? 4 : V / 2) : (is_fp8(F) ? V : 2 * V);
 
-// `kBytes` bytes at p into words (16-byte loads where aligned). Weights stream (read once per
-// call); activations are cached.
-template <int kBytes, bool kStream>
+// `kBytes` bytes at p into words: 16-byte loads where kAligned16 says p is 16-byte aligned, else
+// 8-byte loads (NVFP4 rows of K % 32 == 16 columns start 8 bytes off every other row). Weights
+// stream (read once per call); activations are cached.
+template <int kBytes, bool kStream, bool kAligned16>
 __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
-  if constexpr (kBytes >= 16) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+  if constexpr (kBytes >= 16 && kAligned16) {
 #pragma unroll
-      for (int i = 0; i < kBytes / 16; ++i) {
-        const uint4 v = kStream ? __ldcs(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
-        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-      }
-    } else {  // NVFP4 rows of K % 32 == 16 columns start 8 bytes off every other row
-#pragma unroll
-      for (int i = 0; i < kBytes / 8; ++i) {
-        const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
-        w[2 * i] = v.x, w[2 * i + 1] = v.y;
-      }
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 v = kStream ? __ldcs(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
-  } else if constexpr (kBytes == 8) {
-    const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = v.x, w[1] = v.y;
-  } else if constexpr (kBytes == 4) {
-    w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+  } else if constexpr (kBytes >= 8) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 8; ++i) {
+      const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
+    }
   } else {
-    w[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
+    static_assert(kBytes == 4);
+    w[0] = kStream ? __ldcs(reinterpret_cast<const unsigned int*>(p)) : __ldg(reinterpret_cast<const unsigned int*>(p));
   }
 }
 
+// Where one lane reads, each pointer at column 0: its rows gid and gid + 8 of each matrix with
+// their NVFP4 scale codes, the FP8 block-128 scales of the tile's 128-row block, and the
+// activations of its B column in every token tile. The B columns past the item's routes read its
+// first route's activations: those MMA columns are computed and dropped, so no load depends on
+// the route count. Computed once per block, so the K loop only adds column offsets.
+template <int kMats, int kTiles>
+struct LaneRows {
+  const uint8_t* w[kMats][2];
+  const uint8_t* scale_codes[kMats][2];
+  const float* block_scales[kMats];
+  const uint16_t* b[kTiles];
+};
+
 // The registers of one chunk that are loaded ahead of its MMAs: both rows' weight runs of each
-// matrix, the NVFP4 scale codes, the FP8 block scale, and token tile 0's activations.
+// matrix, the NVFP4 scale codes, the FP8 block-128 scale, and token tile 0's activations.
 template <Fmt F, int V, int kMats>
 struct Chunk {
   uint32_t raw[kMats][2][4];
@@ -125,50 +142,40 @@ struct Chunk {
   uint32_t b0[V / 2];
 };
 
-// Where each lane's B column (token tile slot lane / 4) reads its bf16 activations from.
-template <int kTiles>
-struct Columns {
-  const uint16_t* row[kTiles];  // null past the item's routes
-};
-
+// This lane's V activations of one B column from column k (16-byte aligned for V >= 8: H and I
+// are multiples of 16).
 template <int V>
-__device__ __forceinline__ void load_b(const uint16_t* row, int k, uint32_t (&w)[V / 2]) {
-  if (row == nullptr) {
-#pragma unroll
-    for (int i = 0; i < V / 2; ++i) w[i] = 0u;
-    return;
-  }
-  load_words<2 * V, false>(reinterpret_cast<const uint8_t*>(row + k), w);
+__device__ __forceinline__ void load_b(const uint16_t* row, unsigned k, uint32_t (&w)[V / 2]) {
+  load_words<2 * V, false, true>(reinterpret_cast<const uint8_t*>(row + k), w);
 }
 
-template <Fmt F, int V, int kMats, int kTiles>
-__device__ __forceinline__ void load_chunk(const DevMatrix* const (&m)[kMats], int row0, int k0,
-                                           const Columns<kTiles>& cols, Chunk<F, V, kMats>& ch) {
-  const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-  const int k = k0 + c * V;  // this lane's run
+// The chunk of 4V columns from k0: lane c's run starts at k0 + cV.
+template <Fmt F, int V, int kMats, int kTiles, bool kAligned16>
+__device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats>& ch) {
+  const unsigned c = threadIdx.x % 4;
+  const unsigned k = k0 + c * V;
   // An NVFP4 tail run is half a word of codes: lanes 2i and 2i + 1 both load word i.
-  const int k_weights = F == Fmt::kNvfp4 && V == 4 ? k0 + 8 * (c / 2) : k;
+  const unsigned k_weights = F == Fmt::kNvfp4 && V == 4 ? k0 + 8 * (c / 2) : k;
 #pragma unroll
   for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows gid and gid + 8 of the tile
-      const int64_t index = static_cast<int64_t>(row0 + gid + 8 * r) * m[mi]->cols + k_weights;
-      const uint8_t* p = m[mi]->data + (F == Fmt::kNvfp4 ? index / 2 : (F == Fmt::kFp8 ? index : 2 * index));
-      load_words<kRunBytes<F, V>, true>(p, ch.raw[mi][r]);
+    for (int r = 0; r < 2; ++r) {
+      load_words<kRunBytes<F, V>, true, kAligned16>(rows.w[mi][r] + weight_bytes<F>(k_weights), ch.raw[mi][r]);
       if constexpr (F == Fmt::kNvfp4) {
-        const uint8_t* s = m[mi]->block_scales + index / 16;
-        ch.scale_codes[mi][r] = V == 32 ? (static_cast<uint32_t>(s[0]) | static_cast<uint32_t>(s[1]) << 8) : s[0];
+        const uint8_t* s = rows.scale_codes[mi][r] + k_weights / 16;
+        if constexpr (V == 32 && kAligned16) {  // K % 32 == 0: the run's two codes are one aligned half word
+          ch.scale_codes[mi][r] = __ldcs(reinterpret_cast<const unsigned short*>(s));
+        } else if constexpr (V == 32) {
+          ch.scale_codes[mi][r] = static_cast<uint32_t>(__ldcs(s)) | static_cast<uint32_t>(__ldcs(s + 1)) << 8;
+        } else {
+          ch.scale_codes[mi][r] = __ldcs(s);
+        }
       }
     }
-    ch.block_scale[mi] = 1.0f;
-    if constexpr (F == Fmt::kFp8) {
-      // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
-      if (m[mi]->fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128)) {
-        ch.block_scale[mi] = m[mi]->scales[(row0 / 128) * m[mi]->scale_cols + k0 / 128];
-      }
-    }
+    // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
+    if constexpr (F == Fmt::kFp8Block) ch.block_scale[mi] = __ldg(rows.block_scales[mi] + k0 / 128);
   }
-  load_b<V>(cols.row[0], k, ch.b0);
+  load_b<V>(rows.b[0], k, ch.b0);
 }
 
 // Pair p (0..3, any value) of a pair-order word as bf16 x 2^-126; the switch folds away where
@@ -193,27 +200,21 @@ __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint3
   } else if constexpr (F == Fmt::kNvfp4) {
     const int c = threadIdx.x % 4;  // lane c's 4 values are pairs 2 (c % 2) and 2 (c % 2) + 1 of its word
     return mul_bf16x2(nvfp4_pair(raw[0], 2 * (c % 2) + j), scale[0]);
-  } else if constexpr (F == Fmt::kFp8) {
+  } else if constexpr (is_fp8(F)) {
     return e4m3x2_to_bf16x2(raw[s] >> (16 * j));
   } else {
     return raw[2 * s + j];
   }
 }
 
-// The B register of step s, slot j: the activations' natural bf16 word 2s + j (the columns the
-// A register of the same step and slot holds, for every format).
-template <int V>
-__device__ __forceinline__ uint32_t b_reg(const uint32_t (&w)[V / 2], int s, int j) {
-  return w[2 * s + j];
-}
-
 // The MMAs of one chunk of 4V input columns starting at k0, for kMats matrices sharing the B
-// operand (gate and up, or down alone), every token tile of the item.
+// operand (gate and up, or down alone), every token tile of the item. The products accumulate
+// straight into acc, except under FP8 block-128 scales, where each chunk's sum is scaled first.
 template <Fmt F, int V, int kMats, int kTiles>
-__device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, int k0, int tiles, const Columns<kTiles>& cols,
-                                          float (&acc)[kTiles][kMats][4]) {
+__device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const LaneRows<kMats, kTiles>& rows, unsigned k0,
+                                          int tiles, float (&acc)[kTiles][kMats][4]) {
   constexpr int kSteps = V / 4;
-  const int c = threadIdx.x % 4;
+  const unsigned c = threadIdx.x % 4;
   uint32_t scale[kMats][2][2] = {};
   if constexpr (F == Fmt::kNvfp4) {
 #pragma unroll
@@ -235,53 +236,54 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, int k0, 
 #pragma unroll
       for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
     } else {
-      load_b<V>(cols.row[tile], k0 + c * V, w);
+      load_b<V>(rows.b[tile], k0 + c * V, w);
     }
 #pragma unroll
     for (int mi = 0; mi < kMats; ++mi) {
       float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float(&d)[4] = F == Fmt::kFp8Block ? part : acc[tile][mi];
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
                                decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
-        mma_bf16_16816(part, a, b_reg<V>(w, s, 0), b_reg<V>(w, s, 1));
+        mma_bf16_16816(d, a, w[2 * s], w[2 * s + 1]);
       }
+      if constexpr (F == Fmt::kFp8Block) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
+        for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
+      }
     }
   }
 }
 
-// This warp's share of the K loop: full chunks w, w+4, ..., each loaded one iteration ahead of
-// its MMAs (two chunks of loads in flight per warp), then the 16-column tail steps.
-template <Fmt F, int kMats, int kTiles>
-__device__ void mma_rows(const DevMatrix* const (&m)[kMats], int row0, int tiles, const Columns<kTiles>& cols,
-                         float (&acc)[kTiles][kMats][4]) {
+// This warp's share of the K loop: full chunks w, w+4, ..., each loaded one chunk ahead of its
+// MMAs (two chunks of loads in flight per warp) through two buffers that swap roles, then the
+// 16-column tail steps.
+template <Fmt F, int kMats, int kTiles, bool kAligned16>
+__device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, float (&acc)[kTiles][kMats][4]) {
   constexpr int V = kMainRun<F>;
+  constexpr unsigned kStride = kWarps * 4 * V;  // columns between a warp's chunks
   const int warp = threadIdx.x / kWarp;
-  const int K = m[0]->cols;
   const int chunks = K / (4 * V);
-  int chunk = warp;
-  if (chunk < chunks) {
-    Chunk<F, V, kMats> cur;
-    load_chunk<F, V, kMats, kTiles>(m, row0, chunk * 4 * V, cols, cur);
-    for (; chunk < chunks; chunk += kWarps) {
-      Chunk<F, V, kMats> next;
-      const bool more = chunk + kWarps < chunks;
-      if (more) load_chunk<F, V, kMats, kTiles>(m, row0, (chunk + kWarps) * 4 * V, cols, next);
-      mma_chunk<F, V, kMats, kTiles>(cur, chunk * 4 * V, tiles, cols, acc);
-      if (more) cur = next;
-    }
+  const int mine = chunks > warp ? (chunks - warp + kWarps - 1) / kWarps : 0;
+  const unsigned first = warp * 4 * V;
+  Chunk<F, V, kMats> even, odd;
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first, even);
+  for (int i = 0; i < mine; i += 2) {
+    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first + (i + 1) * kStride, odd);
+    mma_chunk<F, V, kMats, kTiles>(even, rows, first + i * kStride, tiles, acc);
+    if (i + 1 >= mine) break;
+    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first + (i + 2) * kStride, even);
+    mma_chunk<F, V, kMats, kTiles>(odd, rows, first + (i + 1) * kStride, tiles, acc);
   }
-  const int tail0 = chunks * 4 * V;
-  const int tail_steps = (K - tail0) / 16;
+  const unsigned tail0 = chunks * 4 * V;
+  const int tail_steps = (K - static_cast<int>(tail0)) / 16;
   for (int s = warp; s < tail_steps; s += kWarps) {
     Chunk<F, 4, kMats> tail;
-    load_chunk<F, 4, kMats, kTiles>(m, row0, tail0 + 16 * s, cols, tail);
-    mma_chunk<F, 4, kMats, kTiles>(tail, tail0 + 16 * s, tiles, cols, acc);
+    load_chunk<F, 4, kMats, kTiles, kAligned16>(rows, tail0 + 16 * s, tail);
+    mma_chunk<F, 4, kMats, kTiles>(tail, rows, tail0 + 16 * s, tiles, acc);
   }
 }
-
 // What turns the MMA sum of row r into the true dot product (scales not applied in the loop).
 __device__ __forceinline__ float output_multiplier(const DevMatrix& m, int row) {
   switch (m.format) {
@@ -363,27 +365,50 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   const int gid = threadIdx.x % kWarp / 4;
   const int tiles = (item.z + kTile - 1) / kTile;
 
-  Columns<kTiles> cols;
+  LaneRows<kMats, kTiles> rows;
+  const WeightFormat format = static_cast<WeightFormat>(mats[0]->format);
+  const bool fp8_block = format == WeightFormat::kFP8 && mats[0]->fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128);
+  bool aligned16 = true;  // every weight run of the main loop starts 16-byte aligned
+#pragma unroll
+  for (int mi = 0; mi < kMats; ++mi) {
+    const DevMatrix& m = *mats[mi];
+    const int64_t row_bytes = format == WeightFormat::kNVFP4 ? m.cols / 2 : (format == WeightFormat::kFP8 ? m.cols : 2 * m.cols);
+    aligned16 = aligned16 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
+                reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + gid + 8 * r;
+      rows.w[mi][r] = m.data + row * row_bytes;
+      rows.scale_codes[mi][r] = format == WeightFormat::kNVFP4 ? m.block_scales + row * (m.cols / 16) : nullptr;
+    }
+    rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
+  }
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
     const int slot = tile * kTile + gid;
-    cols.row[tile] = nullptr;
-    if (slot < item.z) {
-      const int route = ws.route_list[item.y + slot];
-      cols.row[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
-                               : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
-    }
+    const int route = ws.route_list[item.y + (slot < item.z ? slot : 0)];
+    rows.b[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                           : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
   }
 
   float acc[kTiles][kMats][4] = {};
-  switch (mats[0]->format) {
-    case static_cast<uint8_t>(WeightFormat::kNVFP4):
-      mma_rows<Fmt::kNvfp4, kMats, kTiles>(mats, row0, tiles, cols, acc);
+  const int K = mats[0]->cols;
+  switch (format) {
+    case WeightFormat::kNVFP4:
+      if (aligned16) {
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true>(rows, K, tiles, acc);
+      } else {
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false>(rows, K, tiles, acc);
+      }
       break;
-    case static_cast<uint8_t>(WeightFormat::kFP8):
-      mma_rows<Fmt::kFp8, kMats, kTiles>(mats, row0, tiles, cols, acc);
+    case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
+      if (fp8_block) {
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true>(rows, K, tiles, acc);
+      } else {
+        mma_rows<Fmt::kFp8, kMats, kTiles, true>(rows, K, tiles, acc);
+      }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles>(mats, row0, tiles, cols, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true>(rows, K, tiles, acc); break;
   }
   finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
 }
