@@ -111,6 +111,53 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
   EXPECT_EQ(moe->forward(nullptr, 1, out.ptr, nullptr).message(), "forward: null input or output pointer");
 }
 
+// The expert-major GEMMs with one token tile per item run as split-K kernels (16 rows per block,
+// 4 warps splitting K) or staged ones (64 rows per block, a warp per 16 rows over the whole K,
+// activations staged in shared memory). Both, forced, must match the reference, and each other
+// to well within it: only the order of the fp32 sums differs. The shape has row groups that 64
+// does not divide (gate_up 176 rows, down 272, a shared expert of 144, so some warps run past
+// the rows and must store nothing), ragged K tails for every format, and K / 16 odd for gate_up
+// (NVFP4 rows 8 bytes off 16-byte alignment). N up to 16 keeps every call at one token tile.
+TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
+  const LayerDesc d = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
+                                                         .top_k = 4, .shared_intermediate = 144,
+                                                         .routed_scaling_factor = 2.5});
+  int checked = 0;
+  for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                               QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
+    const Layer layer = take(make_synthetic_layer(d, spec, 11));
+    for (const int64_t n : {1, 3, 8, 16}) {
+      ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts), 8);
+      const int64_t h = d.hidden;
+      const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
+      std::vector<float> expected(tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+      DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+      x.put(tokens);
+      std::vector<float> split;
+      for (const bool staged : {false, true}) {
+        std::unique_ptr<CudaMoe> moe =
+            take(CudaMoe::create(layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged}));
+        out.poison();
+        ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        const std::string what = fmt::format("{}, n {}, {}", quant_spec_name(spec), n, staged ? "staged" : "split K");
+        ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+        // bf16 activations and operands: the path's tolerance in the backend-ops tests.
+        EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+        if (staged) {
+          EXPECT_LE(testing::rel_l2(got, split), 2e-3) << what;
+        } else {
+          split = got;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4 * 4 * 2);
+}
+
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
   const LayerDesc d = family_layer(Family::kMixtral, {.hidden = 100, .intermediate = 36, .num_experts = 4, .top_k = 2});
   const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
@@ -250,6 +297,29 @@ TEST_F(CudaEp, BadRankIsANamedError) {
 // the device may produce any grouping. Every routing must fit: count the items the device's
 // grouping makes (one per `group` routes of an expert) for adversarial and random routings.
 // Host-only: runs without a GPU.
+// The default choice between the expert-major kernels: staged only at one token tile, only
+// where K's staged activations fit 48 KB, and then once the grid holds 8 blocks per SM and the
+// call 32 work items; forcing overrides the last two conditions but not the first two.
+TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFitAndFillTheGpu) {
+  // qwen3-30b on 132 SMs: gate_up's 768 rows make 12 row groups; 88 work items fill 1056 blocks.
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 2048, 88, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 2048, 87, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 2048, 1000, 132));  // 4 token tiles
+  EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 2048, 1000, 132));
+  // DeepSeek-V3 down at N = 1: 112 row groups x 11 items pass 1056 blocks, but not 32 items.
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 2048, 11, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 7168, 2048, 32, 132));
+  // DeepSeek-V3 gate_up: K = 7168 would stage 8 x 14352 bytes.
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 7168, 1000, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(1, 8, 2048, 7168, 1000, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 2048, 1, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 2048, 1000, 132));
+  // The largest K that fits: 8 x (2 K rounded up to 128, + 16) <= 49152.
+  EXPECT_EQ(8 * cuda::expert_major_staged_row_bytes(3008), 48256);
+  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 64, 3008, 1, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(1, 8, 64, 3072, 1, 132));
+}
+
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
   std::mt19937 rng(5);
   int cases = 0;

@@ -27,6 +27,11 @@ struct CudaMoeOptions {
   // zero experts. forward() then writes this rank's partial output; CudaAllReduce sums them.
   int rank = 0;
   int ranks = 1;
+  // Expert-major GEMMs with one token tile per work item: true forces the staged kernels (64 rows
+  // per block, the block's activations staged in shared memory), false the split-K kernels (16
+  // rows per block, 4 warps splitting K); nullopt chooses per call by grid size. Layers whose
+  // staged activations would pass 48 KB (8 x K bf16) always run split-K.
+  std::optional<bool> staged = std::nullopt;
 };
 
 class CudaMoe {

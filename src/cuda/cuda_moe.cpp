@@ -232,6 +232,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.scaling = static_cast<float>(d.routing.scaling);
   L.swiglu_alpha = d.swiglu_alpha;
   L.swiglu_limit = d.swiglu_limit;
+  L.sm_count = prop.multiProcessorCount;
+  L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

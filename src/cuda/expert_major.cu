@@ -130,7 +130,32 @@ struct LaneRows {
   const uint8_t* scale_codes[kMats][2];
   const float* block_scales[kMats];
   const uint16_t* b[kTiles];
+  const uint8_t* staged;  // staged kernels: this lane's token row of the block's activations in shared memory
 };
+
+// ---- Staged activations (the staged kernels, one token tile): the block's 8 token columns are
+// copied once into shared memory, where its 4 warps, each on its own 16 rows, read them.
+
+// Where the 16-byte unit q (columns 8q .. 8q + 7) of a staged row lies: unit q ^ (2 x bit 3 of q).
+// With the row stride of expert_major_staged_row_bytes, the 8 lanes of a shared-memory phase (2 token rows x 4 lanes of a
+// quad) reading unit 4c + i of a chunk (NVFP4; 2c + i for FP8) hit 8 different bank groups.
+__device__ __forceinline__ unsigned staged_unit(unsigned q) { return q ^ ((q >> 2) & 2u); }
+
+// This lane's V activations from column k of its staged row (k % 8 == 0 for V >= 8, else k % 4 == 0).
+template <int V>
+__device__ __forceinline__ void load_staged_b(const uint8_t* row, unsigned k, uint32_t (&w)[V / 2]) {
+  if constexpr (V >= 8) {
+#pragma unroll
+    for (int i = 0; i < V / 8; ++i) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * staged_unit(k / 8 + i));
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else {
+    static_assert(V == 4);
+    const uint2 v = *reinterpret_cast<const uint2*>(row + 16 * staged_unit(k / 8) + 2 * (k % 8));
+    w[0] = v.x, w[1] = v.y;
+  }
+}
 
 // The registers of one chunk that are loaded ahead of its MMAs: both rows' weight runs of each
 // matrix, the NVFP4 scale codes, the FP8 block-128 scale, and token tile 0's activations.
@@ -149,8 +174,9 @@ __device__ __forceinline__ void load_b(const uint16_t* row, unsigned k, uint32_t
   load_words<2 * V, false, true>(reinterpret_cast<const uint8_t*>(row + k), w);
 }
 
-// The chunk of 4V columns from k0: lane c's run starts at k0 + cV.
-template <Fmt F, int V, int kMats, int kTiles, bool kAligned16>
+// The chunk of 4V columns from k0: lane c's run starts at k0 + cV. With kStaged the activations
+// are read from shared memory at MMA time instead.
+template <Fmt F, int V, int kMats, int kTiles, bool kAligned16, bool kStaged>
 __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats>& ch) {
   const unsigned c = threadIdx.x % 4;
   const unsigned k = k0 + c * V;
@@ -175,7 +201,7 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
     // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
     if constexpr (F == Fmt::kFp8Block) ch.block_scale[mi] = __ldg(rows.block_scales[mi] + k0 / 128);
   }
-  load_b<V>(rows.b[0], k, ch.b0);
+  if constexpr (!kStaged) load_b<V>(rows.b[0], k, ch.b0);
 }
 
 // Pair p (0..3, any value) of a pair-order word as bf16 x 2^-126; the switch folds away where
@@ -210,7 +236,7 @@ __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint3
 // The MMAs of one chunk of 4V input columns starting at k0, for kMats matrices sharing the B
 // operand (gate and up, or down alone), every token tile of the item. The products accumulate
 // straight into acc, except under FP8 block-128 scales, where each chunk's sum is scaled first.
-template <Fmt F, int V, int kMats, int kTiles>
+template <Fmt F, int V, int kMats, int kTiles, bool kStaged>
 __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const LaneRows<kMats, kTiles>& rows, unsigned k0,
                                           int tiles, float (&acc)[kTiles][kMats][4]) {
   constexpr int kSteps = V / 4;
@@ -232,7 +258,9 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
   for (int tile = 0; tile < kTiles; ++tile) {
     if (tile >= tiles) break;
     uint32_t w[V / 2];
-    if (tile == 0) {
+    if constexpr (kStaged) {
+      load_staged_b<V>(rows.staged, k0 + c * V, w);
+    } else if (tile == 0) {
 #pragma unroll
       for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
     } else {
@@ -256,34 +284,46 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
   }
 }
 
-// This warp's share of the K loop: full chunks w, w+4, ..., each loaded one chunk ahead of its
-// MMAs (two chunks of loads in flight per warp) through two buffers that swap roles, then the
-// 16-column tail steps.
-template <Fmt F, int kMats, int kTiles, bool kAligned16>
-__device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, float (&acc)[kTiles][kMats][4]) {
+// This warp's K loop. kSplit: the block's 4 warps share one row tile, warp w taking full chunks
+// w, w+4, ... and tail steps w, w+4, ...; otherwise (the staged kernels) the warp runs every
+// chunk and tail step of its own rows. Chunks go through two buffers that swap roles, each loaded
+// one chunk ahead of its MMAs (two chunks of loads in flight per warp).
+// Staged kernels: `stage` starts the copies of the block's activations after the first chunk's
+// weights are requested, and the loop waits for them there.
+template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, typename Stage>
+__device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
+                         float (&acc)[kTiles][kMats][4]) {
+  constexpr bool kStaged = !kSplit;
   constexpr int V = kMainRun<F>;
-  constexpr unsigned kStride = kWarps * 4 * V;  // columns between a warp's chunks
-  const int warp = threadIdx.x / kWarp;
+  constexpr int kWays = kSplit ? kWarps : 1;
+  constexpr unsigned kStride = kWays * 4 * V;  // columns between a warp's chunks
+  const int way = kSplit ? static_cast<int>(threadIdx.x / kWarp) : 0;
   const int chunks = K / (4 * V);
-  const int mine = chunks > warp ? (chunks - warp + kWarps - 1) / kWarps : 0;
-  const unsigned first = warp * 4 * V;
+  const int mine = chunks > way ? (chunks - way + kWays - 1) / kWays : 0;
+  const unsigned first = way * 4 * V;
   Chunk<F, V, kMats> even, odd;
-  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first, even);
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first, even);
+  if constexpr (kStaged) {
+    stage();
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+  }
   for (int i = 0; i < mine; i += 2) {
-    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first + (i + 1) * kStride, odd);
-    mma_chunk<F, V, kMats, kTiles>(even, rows, first + i * kStride, tiles, acc);
+    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first + (i + 1) * kStride, odd);
+    mma_chunk<F, V, kMats, kTiles, kStaged>(even, rows, first + i * kStride, tiles, acc);
     if (i + 1 >= mine) break;
-    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16>(rows, first + (i + 2) * kStride, even);
-    mma_chunk<F, V, kMats, kTiles>(odd, rows, first + (i + 1) * kStride, tiles, acc);
+    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first + (i + 2) * kStride, even);
+    mma_chunk<F, V, kMats, kTiles, kStaged>(odd, rows, first + (i + 1) * kStride, tiles, acc);
   }
   const unsigned tail0 = chunks * 4 * V;
   const int tail_steps = (K - static_cast<int>(tail0)) / 16;
-  for (int s = warp; s < tail_steps; s += kWarps) {
+  for (int s = way; s < tail_steps; s += kWays) {
     Chunk<F, 4, kMats> tail;
-    load_chunk<F, 4, kMats, kTiles, kAligned16>(rows, tail0 + 16 * s, tail);
-    mma_chunk<F, 4, kMats, kTiles>(tail, rows, tail0 + 16 * s, tiles, acc);
+    load_chunk<F, 4, kMats, kTiles, kAligned16, kStaged>(rows, tail0 + 16 * s, tail);
+    mma_chunk<F, 4, kMats, kTiles, kStaged>(tail, rows, tail0 + 16 * s, tiles, acc);
   }
 }
+
 // What turns the MMA sum of row r into the true dot product (scales not applied in the loop).
 __device__ __forceinline__ float output_multiplier(const DevMatrix& m, int row) {
   switch (m.format) {
@@ -301,34 +341,13 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
   return route < routed ? route / L.top_k : route - routed;
 }
 
-// The part of one block after its MMAs: the 4 warps' partial sums meet in shared memory, warp t
-// finishes token tile t. kGateUp: gate and up -> activation (bf16); otherwise down ->
-// expert_out (fp32).
-template <bool kGateUp, int kTiles, int kMats>
-__device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
-                                            int tiles, const float (&acc)[kTiles][kMats][4]) {
-  __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-#pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile) {
-#pragma unroll
-    for (int mi = 0; mi < kMats; ++mi) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][tile][mi * 4 + i][lane] = acc[tile][mi][i];
-    }
-  }
-  __syncthreads();
-  if (warp >= tiles) return;
-  const int tile = warp;
-  float sum[kMats * 4];
-#pragma unroll
-  for (int v = 0; v < kMats * 4; ++v) {
-    sum[v] = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum[v] += partial[w][tile][v][lane];
-  }
-
-  // Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
+// The outputs of one token tile of 16 rows from the MMA sums (sum[4 mi + i]: accumulator i of
+// matrix mi). Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
+// kGateUp: gate and up -> activation (bf16); otherwise down -> expert_out (fp32).
+template <bool kGateUp>
+__device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0, int tile,
+                                           const float* sum) {
+  const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
   const DevExpert& ex = L.experts[item.x];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -351,9 +370,59 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
   }
 }
 
-// The MMAs of one work item (its routes, 16 rows of its expert) and their epilogue.
-template <bool kGateUp, int kTiles>
-__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0) {
+// The part of one split-K block after its MMAs: the 4 warps' partial sums meet in shared memory,
+// warp t finishes token tile t.
+template <bool kGateUp, int kTiles, int kMats>
+__device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
+                                            int tiles, const float (&acc)[kTiles][kMats][4]) {
+  __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][tile][mi * 4 + i][lane] = acc[tile][mi][i];
+    }
+  }
+  __syncthreads();
+  if (warp >= tiles) return;
+  const int tile = warp;
+  float sum[kMats * 4];
+#pragma unroll
+  for (int v = 0; v < kMats * 4; ++v) {
+    sum[v] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum[v] += partial[w][tile][v][lane];
+  }
+
+  store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
+}
+
+// Copies the block's activations (8 token columns of K bf16, route_list[item.y + t] for column
+// t; columns past the item's routes copy its first route's) into shared memory with cp.async:
+// 16 threads per column, 16 bytes each per step.
+template <bool kGateUp>
+__device__ __forceinline__ void stage_columns(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int K,
+                                              uint8_t* staged) {
+  constexpr int kPerColumn = kWarps * kWarp / kTile;
+  const int t = threadIdx.x / kPerColumn;
+  const int route = ws.route_list[item.y + (t < item.z ? t : 0)];
+  const uint16_t* src = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                                : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + t * expert_major_staged_row_bytes(K)));
+  for (unsigned q = threadIdx.x % kPerColumn; q < static_cast<unsigned>(K / 8); q += kPerColumn) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * staged_unit(q)), "l"(src + 8 * q) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The MMAs of one work item (its routes, 16 rows of its expert from row0) and their epilogue.
+// kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory;
+// otherwise each warp has its own rows (stored where `store`) and the activations are staged.
+template <bool kGateUp, int kTiles, bool kSplit>
+__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
+                                         bool store = true, uint8_t* staged = nullptr) {
   constexpr int kMats = kGateUp ? 2 : 1;
   const DevExpert& ex = L.experts[item.x];
   const DevMatrix* mats[kMats];
@@ -364,6 +433,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   }
   const int gid = threadIdx.x % kWarp / 4;
   const int tiles = (item.z + kTile - 1) / kTile;
+  const int K = mats[0]->cols;
 
   LaneRows<kMats, kTiles> rows;
   const WeightFormat format = static_cast<WeightFormat>(mats[0]->format);
@@ -383,34 +453,50 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     }
     rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
   }
+  rows.staged = kSplit ? nullptr : staged + gid * expert_major_staged_row_bytes(K);
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
-    const int slot = tile * kTile + gid;
-    const int route = ws.route_list[item.y + (slot < item.z ? slot : 0)];
-    rows.b[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
-                           : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
+    rows.b[tile] = nullptr;
+    if constexpr (kSplit) {
+      const int slot = tile * kTile + gid;
+      const int route = ws.route_list[item.y + (slot < item.z ? slot : 0)];
+      rows.b[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                             : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
+    }
   }
+  const auto stage = [&] {
+    if constexpr (!kSplit) stage_columns<kGateUp>(L, n, ws, item, K, staged);
+  };
 
   float acc[kTiles][kMats][4] = {};
-  const int K = mats[0]->cols;
   switch (format) {
     case WeightFormat::kNVFP4:
       if (aligned16) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true>(rows, K, tiles, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, false>(rows, K, tiles, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit>(rows, K, tiles, stage, acc);
       }
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true>(rows, K, tiles, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true>(rows, K, tiles, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true>(rows, K, tiles, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc); break;
   }
-  finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
+  if constexpr (kSplit) {
+    finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
+  } else if (store) {
+    float sum[kMats * 4];
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[0][mi][i];
+    }
+    store_tile<kGateUp>(L, n, ws, item, row0, 0, sum);
+  }
 }
 
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
@@ -421,7 +507,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L,
   const int4 item = ws.items[blockIdx.y];  // {expert, first, count, -}
   const int row0 = blockIdx.x * kRows;
   if (row0 >= L.experts[item.x].gate.rows) return;
-  run_item<true, kTiles>(L, n, ws, item, row0);
+  run_item<true, kTiles, true>(L, n, ws, item, row0);
 }
 
 // Grid: (16-row tiles of H, max work items). Block: 4 warps splitting K. Down of the item's
@@ -429,7 +515,25 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L,
 template <int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, int n, DevWorkspace ws) {
   if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
-  run_item<false, kTiles>(L, n, ws, ws.items[blockIdx.y], blockIdx.x * kRows);
+  run_item<false, kTiles, true>(L, n, ws, ws.items[blockIdx.y], blockIdx.x * kRows);
+}
+
+// The staged kernels (one token tile): grid (64-row groups of the output rows, max work items);
+// block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the item's
+// activations staged once per block in shared memory (kTile x expert_major_staged_row_bytes(K) bytes).
+// Warps past the matrix's rows compute a copy of the group's first rows and store nothing: every
+// warp reaches the staging barrier.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
+  extern __shared__ __align__(16) uint8_t staged[];
+  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
+  const int4 item = ws.items[blockIdx.y];
+  const DevExpert& ex = L.experts[item.x];
+  const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
+  const int group_row0 = blockIdx.x * kWarps * kRows;
+  if (group_row0 >= rows) return;
+  const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;
+  run_item<kGateUp, 1, false>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
 }
 
 }  // namespace
@@ -437,14 +541,32 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 namespace {
 
 template <int kTiles>
-cudaError_t launch_gemms(const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
-  const dim3 gate_up_grid((L.act_stride + kRows - 1) / kRows, max_items);
-  moe_expert_gate_up<kTiles><<<gate_up_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const dim3 down_grid((L.hidden + kRows - 1) / kRows, max_items);
-  moe_expert_down<kTiles><<<down_grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
+  if (gate_up) {
+    moe_expert_gate_up<kTiles><<<dim3((L.act_stride + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+  } else {
+    moe_expert_down<kTiles><<<dim3((L.hidden + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+  }
   return cudaGetLastError();
+}
+
+// One GEMM (gate_up or down) of a call whose work items hold up to `group` routes: the staged
+// kernel where expert_major_staged says so, else the split-K kernel.
+cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, int group, int max_items,
+                        cudaStream_t stream) {
+  const int rows = gate_up ? L.act_stride : L.hidden, K = gate_up ? L.hidden : L.act_stride;
+  if (expert_major_staged(L.staged, group, rows, K, max_items, L.sm_count)) {
+    const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
+    const int smem = kTile * expert_major_staged_row_bytes(K);
+    if (gate_up) {
+      moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    } else {
+      moe_expert_staged<false><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    }
+    return cudaGetLastError();
+  }
+  return group == kTile ? launch_split<1>(gate_up, L, n, ws, max_items, stream)
+                        : launch_split<kMaxTiles>(gate_up, L, n, ws, max_items, stream);
 }
 
 }  // namespace
@@ -455,9 +577,10 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   const int group = expert_major_group(n, L.top_k, L.num_experts);
   const int max_items = expert_major_max_items(routes, experts, group);
-  const cudaError_t err = group == kTile ? launch_gemms<1>(L, n, ws, max_items, stream)
-                                         : launch_gemms<kMaxTiles>(L, n, ws, max_items, stream);
-  if (err != cudaSuccess) return err;
+  for (const bool gate_up : {true, false}) {
+    const cudaError_t err = launch_gemm(gate_up, L, n, ws, group, max_items, stream);
+    if (err != cudaSuccess) return err;
+  }
   return launch_moe_blend(L, x, n, ws, out, stream);
 }
 

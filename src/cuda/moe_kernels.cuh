@@ -57,6 +57,8 @@ struct DevLayer {
   float scaling = 1.0f;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
+  int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
+  int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
   const float* shared_gate_values = nullptr;      // [H]
@@ -115,6 +117,29 @@ inline int expert_major_group(int n, int top_k, int experts) {
 inline int expert_major_max_items(int routes, int experts, int group = 8) {
   const int bound = routes / group + 1 + (experts < routes ? experts : routes);
   return bound < routes ? bound : routes;
+}
+
+// The staged expert-major kernels (one token tile per item): 64 output rows per block, 4 warps of
+// 16 each over the whole K, the item's 8 token columns copied once into shared memory.
+inline constexpr int kExpertMajorStagedRows = 64;
+inline constexpr int kExpertMajorStagedMaxBytes = 48 * 1024;  // shared memory without opting in
+
+// Bytes between two token rows of the staged activations: K bf16 rounded up to 128 bytes, plus
+// 16, so that rows t and t + 1 start in different shared-memory bank groups.
+__host__ __device__ constexpr int expert_major_staged_row_bytes(int K) { return (K * 2 + 127) / 128 * 128 + 16; }
+
+// Whether one GEMM (`rows` outputs over K inputs) of an expert-major call runs the staged kernel:
+// never past one token tile per item (group 8) or past kExpertMajorStagedMaxBytes of staged
+// activations; else as `mode` forces (1 on, 0 off), or by default (-1) once its grid holds 8
+// blocks per SM and the call 32 work items. Below that the split-K kernel's 4x more blocks keep
+// more loads in flight: on the H200, both GEMMs staged at 4 blocks per SM (qwen3 N = 8, about
+// 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
+// (docs/PERF.md, v3.7).
+inline bool expert_major_staged(int mode, int group, int rows, int K, int max_items, int sm_count) {
+  if (group != 8 || 8 * expert_major_staged_row_bytes(K) > kExpertMajorStagedMaxBytes) return false;
+  if (mode >= 0) return mode == 1;
+  const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
+  return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
 
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
