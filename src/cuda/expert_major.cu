@@ -1,7 +1,12 @@
-// The expert-major path: routes grouped by expert on the device, then one block per (expert,
-// 16 output rows, up to 32 routes) running tensor-core MMAs (mma.sync m16n8k16, fp32
-// accumulate) with the weights dequantized in registers. Each expert is read once per call
-// however many tokens chose it.
+// The expert-major path: routes grouped by expert on the device into work items of up to 8 or 32
+// routes, then tensor-core MMAs (mma.sync m16n8k16, fp32 accumulate) with the weights
+// dequantized in registers. Each expert is read once per work item however many of its routes
+// the item holds. Two kernel shapes, chosen per GEMM by expert_major_staged (moe_kernels.cuh):
+// - split-K: one block per (item, 16 output rows), its 4 warps splitting K, their sums meeting
+//   in shared memory; the activations read from L2 by every block;
+// - staged (items of 8 routes): one block per (item, 64 output rows), each warp on its own 16
+//   rows over the whole K; the item's activations copied once per block into shared memory, so
+//   L2 carries a quarter of the activation traffic and each warp streams 4x longer.
 //
 // Operand layout. The weights are the MMA's A operand (16 rows x 16 k per MMA), the tokens its
 // B operand (16 k x 8 tokens). The four lanes of a quad (lane % 4 = c) each own a contiguous run
