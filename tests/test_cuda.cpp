@@ -114,48 +114,55 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // The expert-major GEMMs with one token tile per item run as split-K kernels (16 rows per block,
 // 4 warps splitting K) or staged ones (64 rows per block, a warp per 16 rows over the whole K,
 // activations staged in shared memory). Both, forced, must match the reference, and each other
-// to well within it: only the order of the fp32 sums differs. The shape has row groups that 64
-// does not divide (gate_up 176 rows, down 272, a shared expert of 144, so some warps run past
-// the rows and must store nothing), ragged K tails for every format, and K / 16 odd for gate_up
-// (NVFP4 rows 8 bytes off 16-byte alignment). N up to 16 keeps every call at one token tile.
+// to well within it: only the order of the fp32 sums differs. Two shapes:
+// - ragged: row groups that 64 does not divide (gate_up 176 rows, down 272, a shared expert of
+//   144, so some warps run past the rows and must store nothing), K tails for every format, and
+//   K % 32 == 16 everywhere (NVFP4 rows 8 bytes off 16-byte alignment);
+// - aligned, as in the real models: K = 384 and 256 (whole 128-column chunks, NVFP4 rows
+//   16-byte aligned, no tails), 64-row groups.
+// N up to 16 keeps every call at one token tile.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
-  const LayerDesc d = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
-                                                         .top_k = 4, .shared_intermediate = 144,
-                                                         .routed_scaling_factor = 2.5});
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc aligned = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 8,
+                                                              .top_k = 4, .shared_intermediate = 128});
   int checked = 0;
-  for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
-                               QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
-    const Layer layer = take(make_synthetic_layer(d, spec, 11));
-    for (const int64_t n : {1, 3, 8, 16}) {
-      ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts), 8);
-      const int64_t h = d.hidden;
-      const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
-      std::vector<float> expected(tokens.size());
-      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-      DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-      x.put(tokens);
-      std::vector<float> split;
-      for (const bool staged : {false, true}) {
-        std::unique_ptr<CudaMoe> moe =
-            take(CudaMoe::create(layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged}));
-        out.poison();
-        ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::vector<float> got = out.get();
-        const std::string what = fmt::format("{}, n {}, {}", quant_spec_name(spec), n, staged ? "staged" : "split K");
-        ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
-        // bf16 activations and operands: the path's tolerance in the backend-ops tests.
-        EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
-        if (staged) {
-          EXPECT_LE(testing::rel_l2(got, split), 2e-3) << what;
-        } else {
-          split = got;
+  for (const LayerDesc& d : {ragged, aligned}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 11));
+      for (const int64_t n : {1, 3, 8, 16}) {
+        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts), 8);
+        const int64_t h = d.hidden;
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
+        std::vector<float> expected(tokens.size());
+        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(tokens);
+        std::vector<float> split;
+        for (const bool staged : {false, true}) {
+          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+              layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged}));
+          out.poison();
+          ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> got = out.get();
+          const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n, staged ? "staged" : "split K");
+          ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+          // bf16 activations and operands: the path's tolerance in the backend-ops tests.
+          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+          if (staged) {
+            EXPECT_LE(testing::rel_l2(got, split), 2e-3) << what;
+          } else {
+            split = got;
+          }
+          ++checked;
         }
-        ++checked;
       }
     }
   }
-  EXPECT_EQ(checked, 4 * 4 * 2);
+  EXPECT_EQ(checked, 2 * 4 * 4 * 2);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
