@@ -37,6 +37,9 @@ struct BenchConfig {
   std::vector<TokenRouting> routings = {TokenRouting::kIndependent, TokenRouting::kCorrelated};
   BackendKind backend = BackendKind::kCuda;
   std::optional<PathKind> path;
+  // CUDA expert-major GEMMs at 8 routes per work item: force (true) or forbid (false) the staged
+  // kernels (CudaMoeOptions::staged); nullopt chooses per call.
+  std::optional<bool> staged;
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;

@@ -190,7 +190,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     std::unique_ptr<CudaMoe> moe;
     std::string config;  // the plan's choice (CUDA)
     if (cuda) {
-      const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size()};
+      const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size(), .staged = cfg.staged};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
         if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
       });
@@ -258,6 +258,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.backend = backend_name(cfg.backend);
         row.path = moe ? path_name(moe->plan().path_for(n)) : backend_name(cfg.backend);
         row.config = config;
+        if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
         row.time_us = time_us;
         row.distinct_experts = distinct;
         // The floor: every distinct routed expert once, the shared expert, the router, the

@@ -146,6 +146,7 @@ struct BenchOptions {
   std::string routing = "independent,correlated";
   std::string backend = "auto";
   std::string path;
+  std::string staged = "auto";
   std::string out = "bench-out";
   int inputs = 8;
   int reps = 20;
@@ -198,6 +199,12 @@ int bench_command(const BenchOptions& opt) {
     Result<PathKind> path = parse_path(opt.path);
     if (!path.ok()) return fail(path.status());
     cfg.path = *path;
+  }
+  if (opt.staged == "on" || opt.staged == "off") {
+    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged applies to the cuda backend"));
+    cfg.staged = opt.staged == "on";
+  } else if (opt.staged != "auto") {
+    return fail(invalid_argument(fmt::format("--staged: '{}' is not auto, on or off", opt.staged)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -466,6 +473,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--backend", bench.backend, "cuda, cpu, reference or auto")->capture_default_str();
   bench_cmd->add_option("--path", bench.path, "Force a CUDA path: expert-major, token-major or per-row");
+  bench_cmd->add_option("--staged", bench.staged,
+                        "CUDA expert-major GEMMs at 8 routes per item: staged kernels chosen by grid size (auto), "
+                        "forced on, or off")
+      ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");
   bench_cmd->add_option("--inputs", bench.inputs, "Rotating token batches per row (at least 8 keeps L2 honest)")
