@@ -120,7 +120,8 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 //   K % 32 == 16 everywhere (NVFP4 rows 8 bytes off 16-byte alignment);
 // - aligned, as in the real models: K = 384 and 256 (whole 128-column chunks, NVFP4 rows
 //   16-byte aligned, no tails), 64-row groups.
-// N up to 16 keeps every call at one token tile.
+// Staged calls keep one token tile per item up to N = 32 (16 routes per expert on average, so an
+// expert spans several items); with the staged kernels forbidden, N = 32 runs 4 token tiles.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -132,8 +133,8 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
-      for (const int64_t n : {1, 3, 8, 16}) {
-        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts), 8);
+      for (const int64_t n : {1, 3, 8, 16, 32}) {
+        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, true), 8);
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
         std::vector<float> expected(tokens.size());
@@ -162,7 +163,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 4 * 4 * 2);
+  EXPECT_EQ(checked, 2 * 4 * 5 * 2);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -327,6 +328,21 @@ TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFitAndFillTheGpu) {
   EXPECT_FALSE(cuda::expert_major_staged(1, 8, 64, 3072, 1, 132));
 }
 
+// One token tile per item up to 16 routes per expert on average where both GEMMs can run staged
+// (an expert then spans items), else up to 8.
+TEST(ExpertMajorSizing, StageableCallsKeepOneTokenTileUpToSixteenRoutesPerExpert) {
+  EXPECT_TRUE(cuda::expert_major_stageable(-1, 2048, 768));  // qwen3-30b
+  EXPECT_TRUE(cuda::expert_major_stageable(1, 3008, 64));
+  EXPECT_FALSE(cuda::expert_major_stageable(-1, 7168, 2048));  // DeepSeek-V3 gate_up: K = 7168
+  EXPECT_FALSE(cuda::expert_major_stageable(-1, 64, 3072));
+  EXPECT_FALSE(cuda::expert_major_stageable(0, 2048, 768));
+  // qwen3-30b (128 experts, top-8): N = 256 averages 16 routes per expert.
+  EXPECT_EQ(cuda::expert_major_group(256, 8, 128, true), 8);
+  EXPECT_EQ(cuda::expert_major_group(257, 8, 128, true), cuda::kExpertMajorGroup);
+  EXPECT_EQ(cuda::expert_major_group(128, 8, 128, false), 8);
+  EXPECT_EQ(cuda::expert_major_group(129, 8, 128, false), cuda::kExpertMajorGroup);
+}
+
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
   std::mt19937 rng(5);
   int cases = 0;
@@ -347,27 +363,28 @@ TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
               }
             }
             if (shared) counts.back() = n;
+            // A token picks distinct experts: what sizes the token tiles.
+            for (const int c : counts) ASSERT_LE(c, n);
             const int routes = n * top_k + (shared ? n : 0);
             const int table = experts + (shared ? 1 : 0);
-            const int group = cuda::expert_major_group(n, top_k, experts);
-            int items = 0;
-            for (int c : counts) {
-              ASSERT_LE(c, n);  // a token picks distinct experts: what sizes the token tiles
-              items += (c + group - 1) / group;
+            for (const bool stageable : {false, true}) {
+              const int group = cuda::expert_major_group(n, top_k, experts, stageable);
+              // One token tile while the experts average at most 8 routes (16 where staged), else 4.
+              ASSERT_EQ(group, n * top_k <= (stageable ? 16 : 8) * experts ? 8 : cuda::kExpertMajorGroup) << "n " << n;
+              int items = 0;
+              for (const int c : counts) items += (c + group - 1) / group;
+              ASSERT_LE(items, cuda::expert_major_max_items(routes, table, group))
+                  << experts << " experts, top-" << top_k << ", n " << n << ", pattern " << pattern;
+              // The workspace is allocated for the smallest group, whose bound is the largest.
+              ASSERT_LE(cuda::expert_major_max_items(routes, table, group), cuda::expert_major_max_items(routes, table));
+              ++cases;
             }
-            // One token tile while the experts average at most 8 routes, else 4.
-            ASSERT_EQ(group, n * top_k <= 8 * experts ? 8 : cuda::kExpertMajorGroup) << "n " << n;
-            ASSERT_LE(items, cuda::expert_major_max_items(routes, table, group))
-                << experts << " experts, top-" << top_k << ", n " << n << ", pattern " << pattern;
-            // The workspace is allocated for the smallest group, whose bound is the largest.
-            ASSERT_LE(cuda::expert_major_max_items(routes, table, group), cuda::expert_major_max_items(routes, table));
-            ++cases;
           }
         }
       }
     }
   }
-  EXPECT_GT(cases, 1000);
+  EXPECT_GT(cases, 2000);
 }
 
 }  // namespace

@@ -290,8 +290,7 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   const PathKind path = impl_->plan.path_for(n);
-  const LayerDesc& d = impl_->desc;
-  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(tokens, d.top_k, d.num_experts) : 0;
+  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(impl_->dev, tokens) : 0;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:

@@ -580,7 +580,7 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
                                     cudaStream_t stream) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  const int group = expert_major_group(n, L.top_k, L.num_experts);
+  const int group = expert_major_group(L, n);
   const int max_items = expert_major_max_items(routes, experts, group);
   for (const bool gate_up : {true, false}) {
     const cudaError_t err = launch_gemm(gate_up, L, n, ws, group, max_items, stream);

@@ -103,15 +103,6 @@ struct DevWorkspace {
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
 inline constexpr int kExpertMajorGroup = 32;
 
-// Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
-// tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
-// average 8 routes or fewer, although an expert (the shared one above all) with more routes is
-// then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
-// v3.4). Past that average, 4 tiles.
-inline int expert_major_group(int n, int top_k, int experts) {
-  return static_cast<int64_t>(n) * top_k <= int64_t{8} * experts ? 8 : kExpertMajorGroup;
-}
-
 // Work items the expert-major grid is sized for when items hold up to `group` routes of one
 // expert: at most one per `group` routes plus one per expert, and at most one per route.
 inline int expert_major_max_items(int routes, int experts, int group = 8) {
@@ -140,6 +131,30 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
   if (mode >= 0) return mode == 1;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
+}
+
+// Whether both GEMMs of an expert-major call may run the staged kernels: their activations
+// (K = hidden for gate_up, act_stride for down) fit, and `mode` does not forbid them.
+inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
+  const int largest = hidden > act_stride ? hidden : act_stride;
+  return mode != 0 && 8 * expert_major_staged_row_bytes(largest) <= kExpertMajorStagedMaxBytes;
+}
+
+// Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
+// tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
+// average 8 routes or fewer, although an expert (the shared one above all) with more routes is
+// then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
+// v3.4). Where both GEMMs can run staged, up to 16 routes on average: an expert's items are
+// adjacent in the grid, so its second read comes mostly from L2, and the staged kernels ran
+// qwen3-30b N = 128 in half the time the 4-tile kernel took at N = 256 (docs/PERF.md, v3.8).
+// Past that, 4 tiles.
+inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
+  const int64_t per_expert = stageable ? 16 : 8;
+  return static_cast<int64_t>(n) * top_k <= per_expert * experts ? 8 : kExpertMajorGroup;
+}
+
+inline int expert_major_group(const DevLayer& L, int n) {
+  return expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.hidden, L.act_stride));
 }
 
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
