@@ -343,6 +343,35 @@ TEST(ExpertMajorSizing, StageableCallsKeepOneTokenTileUpToSixteenRoutesPerExpert
   EXPECT_EQ(cuda::expert_major_group(129, 8, 128, false), cuda::kExpertMajorGroup);
 }
 
+// What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
+TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
+  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
+  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
+  const auto choice = [](const cuda::DevLayer& L, int n) {
+    const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
+    return fmt::format("{} {} {}{}", c.group, c.max_items, c.staged_gate_up ? "S" : "s", c.staged_down ? "S" : "s");
+  };
+  EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
+  EXPECT_EQ(choice(qwen, 8), "8 64 sS");     // gate_up 12 x 64 blocks < 8 x 132; down 32 x 64 past it
+  EXPECT_EQ(choice(qwen, 64), "8 193 SS");
+  EXPECT_EQ(choice(qwen, 256), "8 385 SS");  // 16 routes per expert, still one token tile
+  EXPECT_EQ(choice(qwen, 257), "32 193 ss");
+  cuda::DevLayer forced_off = qwen;
+  forced_off.staged = 0;
+  EXPECT_EQ(choice(forced_off, 64), "8 193 ss");
+  EXPECT_EQ(choice(forced_off, 256), "32 193 ss");
+  cuda::DevLayer forced_on = qwen;
+  forced_on.staged = 1;
+  EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
+  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up never staged (K = 7168).
+  cuda::DevLayer ds;
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
+  EXPECT_EQ(choice(ds, 4), "8 36 sS");
+  EXPECT_EQ(choice(ds, 256), "8 546 sS");
+  EXPECT_EQ(choice(ds, 257), "32 330 ss");
+}
+
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
   std::mt19937 rng(5);
   int cases = 0;

@@ -188,7 +188,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     const std::string format = quant_spec_name(layer->expert_spec);
     const std::string label = fmt::format("{} {}", source.name, format);
     std::unique_ptr<CudaMoe> moe;
-    std::string config;  // the plan's choice (CUDA)
+    std::string plan;  // the plan's description (CUDA)
     if (cuda) {
       const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size(), .staged = cfg.staged};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
@@ -196,7 +196,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
       });
       if (!made.ok()) return made.status();
       moe = std::move(made).value();
-      config = moe->plan().config;
+      plan = moe->plan().config;
     }
     const double fixed_bytes = static_cast<double>(layer->resident_bytes());
     const double shared = layer->shared ? static_cast<double>(layer->shared->bytes()) : 0.0;
@@ -257,7 +257,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.tokens = n;
         row.backend = backend_name(cfg.backend);
         row.path = moe ? path_name(moe->plan().path_for(n)) : backend_name(cfg.backend);
-        row.config = config;
+        row.config = moe ? moe->call_config(n) : std::string();
+        row.plan = plan;
         if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
         row.time_us = time_us;
         row.distinct_experts = distinct;
@@ -285,17 +286,21 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
 }
 
 std::string BenchResult::table() const {
-  // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce.
+  // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce; CUDA
+  // rows the kernels each call launched.
   const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 0; });
+  const bool kernels = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.config.empty(); });
   std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s\n", device, read_gbps);
   s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}", "preset", "format",
                    "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor");
-  s += ep ? fmt::format(" {:>5} {:>8} {:>12}\n", "ranks", "rank MB", "allreduce us") : "\n";
+  if (ep) s += fmt::format(" {:>5} {:>8} {:>12}", "ranks", "rank MB", "allreduce us");
+  s += kernels ? "  kernels\n" : "\n";
   for (const BenchRow& r : rows) {
     s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%", r.preset,
                      r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps,
                      r.floor_us, r.fraction * 100.0);
-    s += ep ? fmt::format(" {:>5} {:>8.2f} {:>12.1f}\n", r.ranks, r.rank_bytes / 1e6, r.allreduce_us) : "\n";
+    if (ep) s += fmt::format(" {:>5} {:>8.2f} {:>12.1f}", r.ranks, r.rank_bytes / 1e6, r.allreduce_us);
+    s += kernels ? "  " + r.config + "\n" : "\n";
   }
   return s;
 }
@@ -304,7 +309,8 @@ std::string BenchResult::json() const {
   nlohmann::json j = {{"device", device}, {"read_gbps", read_gbps}, {"rows", nlohmann::json::array()}};
   for (const BenchRow& r : rows) {
     j["rows"].push_back({{"preset", r.preset}, {"format", r.format}, {"routing", r.routing}, {"tokens", r.tokens},
-                         {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"time_us", r.time_us},
+                         {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"plan", r.plan},
+                         {"time_us", r.time_us},
                          {"distinct_experts", r.distinct_experts}, {"bytes", r.bytes}, {"gbps", r.gbps},
                          {"floor_us", r.floor_us}, {"fraction", r.fraction}, {"ranks", r.ranks},
                          {"rank_bytes", r.rank_bytes}, {"allreduce_us", r.allreduce_us}});
@@ -315,11 +321,11 @@ std::string BenchResult::json() const {
 std::string BenchResult::csv() const {
   std::string s =
       "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps,"
-      "ranks,rank_bytes,allreduce_us\n";
+      "ranks,rank_bytes,allreduce_us,plan\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f}\n", r.preset,
-                     r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes,
-                     r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us);
+    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f},\"{}\"\n",
+                     r.preset, r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts,
+                     r.bytes, r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us, r.plan);
   }
   return s;
 }

@@ -124,6 +124,19 @@ struct CudaMoe::Impl {
 
 CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoe::~CudaMoe() = default;
+std::string CudaMoe::call_config(int64_t n) const {
+  const PathKind path = impl_->plan.path_for(n);
+  if (path != PathKind::kExpertMajor) return path_name(path);
+  const cuda::DevLayer& L = impl_->dev;
+  const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
+  const auto gemm = [&](const char* name, bool staged, int K) {
+    if (!staged) return fmt::format("{} split-K", name);
+    return fmt::format("{} staged{}", name, L.nvfp4 && cuda::expert_major_stages_scales(K) ? "+scales" : "");
+  };
+  return fmt::format("{} routes/item, {}, {}", call.group, gemm("gate_up", call.staged_gate_up, L.hidden),
+                     gemm("down", call.staged_down, L.act_stride));
+}
+
 const Plan& CudaMoe::plan() const { return impl_->plan; }
 const LayerDesc& CudaMoe::desc() const { return impl_->desc; }
 uint64_t CudaMoe::layer_id() const { return impl_->layer_id; }
@@ -295,7 +308,7 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   const PathKind path = impl_->plan.path_for(n);
-  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_group(impl_->dev, tokens) : 0;
+  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_launch(impl_->dev, tokens).group : 0;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:

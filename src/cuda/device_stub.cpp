@@ -30,6 +30,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer&, int64_t, const Cu
 }
 Status CudaMoe::forward(const float*, int64_t, float*, void*) const { return no_cuda(); }
 const Plan& CudaMoe::plan() const { return impl_->plan; }
+std::string CudaMoe::call_config(int64_t) const { return ""; }
 const LayerDesc& CudaMoe::desc() const { return impl_->desc; }
 uint64_t CudaMoe::layer_id() const { return 0; }
 int CudaMoe::rank() const { return 0; }

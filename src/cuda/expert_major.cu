@@ -617,12 +617,13 @@ cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorksp
   return cudaGetLastError();
 }
 
-// One GEMM (gate_up or down) of a call whose work items hold up to `group` routes: the staged
-// kernel where expert_major_staged says so, else the split-K kernel.
-cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, int group, int max_items,
+// One GEMM (gate_up or down) of a call: the staged kernel where `call` says so, else the split-K
+// kernel for its token tiles.
+cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, const ExpertMajorLaunch& call,
                         cudaStream_t stream) {
   const int rows = gate_up ? L.act_stride : L.hidden, K = gate_up ? L.hidden : L.act_stride;
-  if (expert_major_staged(L.staged, group, rows, K, max_items, L.sm_count)) {
+  const int max_items = call.max_items;
+  if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
     if (gate_up) {
@@ -632,7 +633,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     }
     return cudaGetLastError();
   }
-  return group == kTile ? launch_split<1>(gate_up, L, n, ws, max_items, stream)
+  return call.group == kTile ? launch_split<1>(gate_up, L, n, ws, max_items, stream)
                         : launch_split<kMaxTiles>(gate_up, L, n, ws, max_items, stream);
 }
 
@@ -653,12 +654,9 @@ cudaError_t prepare_expert_major_kernels() {
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                                     cudaStream_t stream) {
-  const int experts = L.num_experts + (L.has_shared ? 1 : 0);
-  const int routes = n * L.top_k + (L.has_shared ? n : 0);
-  const int group = expert_major_group(L, n);
-  const int max_items = expert_major_max_items(routes, experts, group);
+  const ExpertMajorLaunch call = expert_major_launch(L, n);
   for (const bool gate_up : {true, false}) {
-    const cudaError_t err = launch_gemm(gate_up, L, n, ws, group, max_items, stream);
+    const cudaError_t err = launch_gemm(gate_up, L, n, ws, call, stream);
     if (err != cudaSuccess) return err;
   }
   return launch_moe_blend(L, x, n, ws, out, stream);

@@ -171,8 +171,24 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
   return static_cast<int64_t>(n) * top_k <= per_expert * experts ? 8 : kExpertMajorGroup;
 }
 
-inline int expert_major_group(const DevLayer& L, int n) {
-  return expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.hidden, L.act_stride));
+// What an expert-major call of n tokens launches: routes per work item, the grid's items, and
+// which GEMMs run staged. The launcher and the bench's per-call config both read it.
+struct ExpertMajorLaunch {
+  int group = 8;
+  int max_items = 0;
+  bool staged_gate_up = false;
+  bool staged_down = false;
+};
+
+inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
+  ExpertMajorLaunch c;
+  c.group = expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.hidden, L.act_stride));
+  const int experts = L.num_experts + (L.has_shared ? 1 : 0);
+  const int routes = n * L.top_k + (L.has_shared ? n : 0);
+  c.max_items = expert_major_max_items(routes, experts, c.group);
+  c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, L.hidden, c.max_items, L.sm_count);
+  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
+  return c;
 }
 
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
