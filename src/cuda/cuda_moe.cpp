@@ -129,12 +129,9 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
-  const auto gemm = [&](const char* name, bool staged, int K) {
-    if (!staged) return fmt::format("{} split-K", name);
-    return fmt::format("{} staged{}", name, L.nvfp4 && cuda::expert_major_stages_scales(K) ? "+scales" : "");
-  };
-  return fmt::format("{} routes/item, {}, {}", call.group, gemm("gate_up", call.staged_gate_up, L.hidden),
-                     gemm("down", call.staged_down, L.act_stride));
+  const auto kernel = [](bool staged) { return staged ? "staged" : "split-K"; };
+  return fmt::format("{} routes/item, gate_up {}, down {}", call.group, kernel(call.staged_gate_up),
+                     kernel(call.staged_down));
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
