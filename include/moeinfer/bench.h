@@ -60,7 +60,7 @@ struct BenchRow {
   int64_t tokens = 0;
   std::string backend;
   std::string path;
-  std::string config;          // what this row's calls launched (CudaMoe::call_config), or the backend
+  std::string config;          // what this row's calls launched (CudaMoe::call_config); empty on the CPU
   std::string plan;            // the plan's description of its path (CUDA)
   double time_us = 0;          // median per call
   double distinct_experts = 0; // mean over the rotating inputs
