@@ -572,7 +572,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     return cudaGetLastError();
   }
   return call.group == kTile ? launch_split<1>(gate_up, L, n, ws, max_items, stream)
-                             : launch_split<kMaxTiles>(gate_up, L, n, ws, max_items, stream);
+                        : launch_split<kMaxTiles>(gate_up, L, n, ws, max_items, stream);
 }
 
 }  // namespace
