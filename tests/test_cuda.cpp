@@ -119,7 +119,9 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 //   144, so some warps run past the rows and must store nothing), K tails for every format, and
 //   K % 32 == 16 everywhere (NVFP4 rows 8 bytes off 16-byte alignment);
 // - aligned, as in the real models: K = 384 and 256 (whole 128-column chunks, NVFP4 rows
-//   16-byte aligned, no tails), 64-row groups.
+//   16-byte aligned, no tails), 64-row groups;
+// - long down: K = 2048 for the routed experts' down, 1920 for the shared expert's, so NVFP4
+//   scale codes are staged in shared memory too, sized for the longer.
 // Staged calls keep one token tile per item up to N = 32 (16 routes per expert on average, so an
 // expert spans several items); with the staged kernels forbidden, N = 32 runs 4 token tiles.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
@@ -128,8 +130,11 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
                                                               .routed_scaling_factor = 2.5});
   const LayerDesc aligned = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc long_down = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 2048, .num_experts = 8,
+                                                                .top_k = 4, .shared_intermediate = 1920});
+  ASSERT_TRUE(cuda::expert_major_stages_scales(2048, 1));
   int checked = 0;
-  for (const LayerDesc& d : {ragged, aligned}) {
+  for (const LayerDesc& d : {ragged, aligned, long_down}) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
@@ -163,7 +168,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 4 * 5 * 2);
+  EXPECT_EQ(checked, 3 * 4 * 5 * 2);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -322,6 +327,18 @@ TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFitAndFillTheGpu) {
   EXPECT_FALSE(cuda::expert_major_staged(1, 8, 2048, 7168, 1000, 132));
   EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 2048, 1, 132));
   EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 2048, 1000, 132));
+  // NVFP4 scale codes staged only for down (one matrix) at K >= 2048, in whole 8-byte copies.
+  EXPECT_TRUE(cuda::expert_major_stages_scales(2048, 1));
+  EXPECT_TRUE(cuda::expert_major_stages_scales(2944, 1));
+  EXPECT_FALSE(cuda::expert_major_stages_scales(2048, 2));
+  EXPECT_FALSE(cuda::expert_major_stages_scales(768, 1));
+  EXPECT_FALSE(cuda::expert_major_stages_scales(2064, 1));
+  EXPECT_EQ(cuda::expert_major_staged_scale_stride(2048), 136);  // 16 units of 8 bytes, padded to 17
+  EXPECT_EQ(cuda::expert_major_staged_scale_stride(2944), 184);  // 23 already odd
+  EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, true), 8 * 4112 + 64 * 136);
+  EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, false), 8 * 4112);
+  EXPECT_EQ(cuda::expert_major_staged_smem(2048, 2, true), 8 * 4112);
+  EXPECT_LE(cuda::expert_major_staged_smem(2944, 1, true), cuda::kExpertMajorStagedMaxSmem);
   // The largest K that fits: 8 x (2 K rounded up to 128, + 16) <= 49152.
   EXPECT_EQ(8 * cuda::expert_major_staged_row_bytes(3008), 48256);
   EXPECT_TRUE(cuda::expert_major_staged(1, 8, 64, 3008, 1, 132));

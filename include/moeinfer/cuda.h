@@ -53,7 +53,8 @@ class CudaMoe {
 
   const Plan& plan() const;
   // The kernels a call of n tokens launches, one line: the path, and for expert-major the routes
-  // per work item and each GEMM's kernel ("8 routes/item, gate_up split-K, down staged").
+  // per work item and each GEMM's kernel ("8 routes/item, gate_up split-K, down staged+scales";
+  // "+scales": NVFP4 scale codes staged in shared memory too).
   std::string call_config(int64_t n) const;
   const LayerDesc& desc() const;
   int rank() const;   // CudaMoeOptions::rank

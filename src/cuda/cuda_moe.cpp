@@ -129,9 +129,9 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
-  const auto kernel = [](bool staged) { return staged ? "staged" : "split-K"; };
-  return fmt::format("{} routes/item, gate_up {}, down {}", call.group, kernel(call.staged_gate_up),
-                     kernel(call.staged_down));
+  const bool down_scales = L.nvfp4 && cuda::expert_major_stages_scales(L.act_stride, 1);
+  return fmt::format("{} routes/item, gate_up {}, down {}", call.group, call.staged_gate_up ? "staged" : "split-K",
+                     call.staged_down ? (down_scales ? "staged+scales" : "staged") : "split-K");
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -165,6 +165,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
     return unavailable(fmt::format("this build has no kernels for {} (sm_{}{}); it targets sm_90a", prop.name,
                                    prop.major, prop.minor));
   }
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::prepare_expert_major_kernels(), "expert-major kernel attributes"));
   Result<Plan> plan = plan_cuda(d, layer.expert_spec, max_tokens, DeviceDesc{prop.major, prop.minor}, path);
   if (!plan.ok()) return plan.status();
 
@@ -244,6 +245,10 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.swiglu_limit = d.swiglu_limit;
   L.sm_count = prop.multiProcessorCount;
   L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
+  L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
+    return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
+           x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
+  });
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

@@ -136,6 +136,8 @@ struct LaneRows {
   const float* block_scales[kMats];
   const uint16_t* b[kTiles];
   const uint8_t* staged;  // staged kernels: this lane's token row of the block's activations in shared memory
+  // Staged kernels with staged NVFP4 scales: this lane's rows gid and gid + 8 of each matrix's copy.
+  const uint8_t* staged_scales[kMats][2];
 };
 
 // ---- Staged activations (the staged kernels, one token tile): the block's 8 token columns are
@@ -179,9 +181,24 @@ __device__ __forceinline__ void load_b(const uint16_t* row, unsigned k, uint32_t
   load_words<2 * V, false, true>(reinterpret_cast<const uint8_t*>(row + k), w);
 }
 
+// This lane's NVFP4 scale codes of the chunk at k0 from the block's staged copy (K % 128 == 0, so
+// V = 32: the run's two codes are one aligned half word).
+template <int kMats, int kTiles>
+__device__ __forceinline__ void load_staged_scales(const LaneRows<kMats, kTiles>& rows, unsigned k0,
+                                                   uint32_t (&codes)[kMats][2]) {
+  const unsigned at = (k0 + threadIdx.x % 4 * 32) / 16;
+#pragma unroll
+  for (int mi = 0; mi < kMats; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) codes[mi][r] = *reinterpret_cast<const unsigned short*>(rows.staged_scales[mi][r] + at);
+  }
+}
+
 // The chunk of 4V columns from k0: lane c's run starts at k0 + cV. With kStaged the activations
-// are read from shared memory at MMA time instead.
-template <Fmt F, int V, int kMats, int kTiles, bool kAligned16, bool kStaged>
+// are read from shared memory at MMA time instead, and with kSmemScales the NVFP4 scale codes too.
+// kScales false leaves the scale codes out (staged ones are read once they have arrived).
+template <Fmt F, int V, int kMats, int kTiles, bool kAligned16, bool kStaged, bool kSmemScales = false,
+          bool kScales = true>
 __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats>& ch) {
   const unsigned c = threadIdx.x % 4;
   const unsigned k = k0 + c * V;
@@ -192,7 +209,7 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       load_words<kRunBytes<F, V>, true, kAligned16>(rows.w[mi][r] + weight_bytes<F>(k_weights), ch.raw[mi][r]);
-      if constexpr (F == Fmt::kNvfp4) {
+      if constexpr (F == Fmt::kNvfp4 && !kSmemScales) {
         const uint8_t* s = rows.scale_codes[mi][r] + k_weights / 16;
         if constexpr (V == 32 && kAligned16) {  // K % 32 == 0: the run's two codes are one aligned half word
           ch.scale_codes[mi][r] = __ldcs(reinterpret_cast<const unsigned short*>(s));
@@ -206,6 +223,7 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
     // A 16-row tile and a chunk of at most 64 columns lie in one 128 x 128 block.
     if constexpr (F == Fmt::kFp8Block) ch.block_scale[mi] = __ldg(rows.block_scales[mi] + k0 / 128);
   }
+  if constexpr (kSmemScales && kScales) load_staged_scales(rows, k0, ch.scale_codes);
   if constexpr (!kStaged) load_b<V>(rows.b[0], k, ch.b0);
 }
 
@@ -293,11 +311,12 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
 // w, w+4, ... and tail steps w, w+4, ...; otherwise (the staged kernels) the warp runs every
 // chunk and tail step of its own rows. Chunks go through two buffers that swap roles, each loaded
 // one chunk ahead of its MMAs (two chunks of loads in flight per warp).
-// Staged kernels: `stage` starts the copies of the block's activations after the first chunk's
-// weights are requested, and the loop waits for them there.
-template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, typename Stage>
+// Staged kernels: `stage` starts the copies of the block's activations (and with kSmemScales its
+// NVFP4 scale codes) after the first chunk's weights are requested, and the loop waits for them there.
+template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
+  static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16));
   constexpr bool kStaged = !kSplit;
   constexpr int V = kMainRun<F>;
   constexpr int kWays = kSplit ? kWarps : 1;
@@ -307,17 +326,20 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   const int mine = chunks > way ? (chunks - way + kWays - 1) / kWays : 0;
   const unsigned first = way * 4 * V;
   Chunk<F, V, kMats> even, odd;
-  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first, even);
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first, even);
   if constexpr (kStaged) {
     stage();
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
   }
+  if constexpr (kSmemScales) {
+    if (mine > 0) load_staged_scales(rows, first, even.scale_codes);
+  }
   for (int i = 0; i < mine; i += 2) {
-    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first + (i + 1) * kStride, odd);
+    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 1) * kStride, odd);
     mma_chunk<F, V, kMats, kTiles, kStaged>(even, rows, first + i * kStride, tiles, acc);
     if (i + 1 >= mine) break;
-    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged>(rows, first + (i + 2) * kStride, even);
+    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 2) * kStride, even);
     mma_chunk<F, V, kMats, kTiles, kStaged>(odd, rows, first + (i + 1) * kStride, tiles, acc);
   }
   const unsigned tail0 = chunks * 4 * V;
@@ -419,7 +441,22 @@ __device__ __forceinline__ void stage_columns(const DevLayer& L, int n, const De
   for (unsigned q = threadIdx.x % kPerColumn; q < static_cast<unsigned>(K / 8); q += kPerColumn) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * staged_unit(q)), "l"(src + 8 * q) : "memory");
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Copies the NVFP4 scale codes of the block's rows (row0 .. row0 + 63, those the matrix has) into
+// `dst` with cp.async, rows expert_major_staged_scale_stride(K) bytes apart (K % 128 == 0: whole
+// 8-byte units). Each warp copies 32 / units-per-row rows at a time.
+__device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8_t* dst) {
+  const int K = m.cols, units = K / 128, stride = expert_major_staged_scale_stride(K);
+  const int rows = m.rows - row0 < kExpertMajorStagedRows ? m.rows - row0 : kExpertMajorStagedRows;
+  const int lane = threadIdx.x % kWarp, per_warp = kWarp / units;  // units <= 23 (K <= 3008)
+  if (lane >= per_warp * units) return;
+  const int unit = lane % units;
+  const uint8_t* src = m.block_scales + static_cast<int64_t>(row0) * (K / 16) + 8 * unit;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(dst)) + 8 * unit;
+  for (int r = static_cast<int>(threadIdx.x / kWarp) * per_warp + lane / units; r < rows; r += kWarps * per_warp) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(base + r * stride), "l"(src + r * (K / 16)) : "memory");
+  }
 }
 
 // The MMAs of one work item (its routes, 16 rows of its expert from row0) and their epilogue.
@@ -444,20 +481,33 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   const WeightFormat format = static_cast<WeightFormat>(mats[0]->format);
   const bool fp8_block = format == WeightFormat::kFP8 && mats[0]->fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128);
   bool aligned16 = true;  // every weight run of the main loop starts 16-byte aligned
+  // Staged kernels: the scale codes come from shared memory where the launch made room for them
+  // (expert_major_staged_smem, for the layer's K), this expert's rows are whole 8-byte copies and
+  // aligned; they lie past the activations.
+  const int layer_K = kGateUp ? L.hidden : L.act_stride;
+  bool smem_scales = !kSplit && L.nvfp4 && format == WeightFormat::kNVFP4 && expert_major_stages_scales(layer_K, kMats) &&
+                     K % 128 == 0;
+  uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
+  const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
 #pragma unroll
   for (int mi = 0; mi < kMats; ++mi) {
     const DevMatrix& m = *mats[mi];
     const int64_t row_bytes = format == WeightFormat::kNVFP4 ? m.cols / 2 : (format == WeightFormat::kFP8 ? m.cols : 2 * m.cols);
     aligned16 = aligned16 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
                 reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
+    smem_scales = smem_scales && reinterpret_cast<uintptr_t>(m.block_scales) % 8 == 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row0 + gid + 8 * r;
       rows.w[mi][r] = m.data + row * row_bytes;
       rows.scale_codes[mi][r] = format == WeightFormat::kNVFP4 ? m.block_scales + row * (m.cols / 16) : nullptr;
+      rows.staged_scales[mi][r] =
+          kSplit ? nullptr
+                 : scale_copy + (mi * kExpertMajorStagedRows + row - group_row0) * expert_major_staged_scale_stride(K);
     }
     rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
   }
+  smem_scales = smem_scales && aligned16;
   rows.staged = kSplit ? nullptr : staged + gid * expert_major_staged_row_bytes(K);
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
@@ -470,26 +520,41 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     }
   }
   const auto stage = [&] {
-    if constexpr (!kSplit) stage_columns<kGateUp>(L, n, ws, item, K, staged);
+    if constexpr (!kSplit) {
+      stage_columns<kGateUp>(L, n, ws, item, K, staged);
+      if (smem_scales) {
+#pragma unroll
+        for (int mi = 0; mi < kMats; ++mi) {
+          stage_scales(*mats[mi], group_row0, scale_copy + mi * kExpertMajorStagedRows * expert_major_staged_scale_stride(K));
+        }
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
   };
 
   float acc[kTiles][kMats][4] = {};
   switch (format) {
     case WeightFormat::kNVFP4:
+      if constexpr (!kSplit && kMats == 1) {
+        if (smem_scales && aligned16) {
+          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true>(rows, K, tiles, stage, acc);
+          break;
+        }
+      }
       if (aligned16) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false>(rows, K, tiles, stage, acc);
       }
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit>(rows, K, tiles, stage, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
@@ -563,7 +628,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
   const int max_items = call.max_items;
   if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
-    const int smem = kTile * expert_major_staged_row_bytes(K);
+    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
     if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
@@ -576,6 +641,19 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
 }
 
 }  // namespace
+
+cudaError_t prepare_expert_major_kernels() {
+  for (const void* kernel : {reinterpret_cast<const void*>(moe_expert_staged<true>),
+                             reinterpret_cast<const void*>(moe_expert_staged<false>)}) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStagedMaxSmem);
+    // Shared memory over L1: the weights stream past L1, and blocks of over 40 KB fit 5 per SM only so.
+    if (err == cudaSuccess) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    }
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                                     cudaStream_t stream) {

@@ -59,6 +59,7 @@ struct DevLayer {
   float swiglu_limit = 7.0f;
   int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
+  bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
   const float* shared_gate_values = nullptr;      // [H]
@@ -118,6 +119,31 @@ inline constexpr int kExpertMajorStagedMaxBytes = 48 * 1024;  // shared memory w
 // Bytes between two token rows of the staged activations: K bf16 rounded up to 128 bytes, plus
 // 16, so that rows t and t + 1 start in different shared-memory bank groups.
 __host__ __device__ constexpr int expert_major_staged_row_bytes(int K) { return (K * 2 + 127) / 128 * 128 + 16; }
+
+// Whether a staged GEMM of `mats` matrices (2: gate_up, 1: down) over K inputs copies its NVFP4
+// scale codes into shared memory with the activations, once per block, instead of loading 8 bytes
+// per row every chunk: for down at K >= 2048 (whole 8-byte copies need K % 128 == 0). Measured on
+// the H200: DeepSeek-V3's down (K = 2048) gained, calls 1.06-1.12x at N = 4-256; qwen3's downs
+// (K = 512, 768) and gate_ups (2 matrices, K = 2048) lost 4-18% (docs/PERF.md, v3.8).
+__host__ __device__ constexpr bool expert_major_stages_scales(int K, int mats) {
+  return mats == 1 && K >= 2048 && K % 128 == 0;
+}
+// Bytes between two rows of staged scale codes: K / 16, padded to an odd number of 8-byte units
+// so that the 8 rows one load reads start in 8 different bank pairs.
+__host__ __device__ constexpr int expert_major_staged_scale_stride(int K) { return K / 16 + (K / 128 % 2 == 0 ? 8 : 0); }
+
+// Dynamic shared memory of a staged block for a GEMM over K inputs (the layer's: hidden for
+// gate_up, act_stride for down; an expert's own K is at most that): the activations, then, where
+// the layer has NVFP4 experts and expert_major_stages_scales says so, the scale codes.
+__host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4) {
+  return 8 * expert_major_staged_row_bytes(K) + (nvfp4 && expert_major_stages_scales(K, mats)
+                                                     ? mats * kExpertMajorStagedRows * expert_major_staged_scale_stride(K)
+                                                     : 0);
+}
+// The most any staged block asks for: activations within kExpertMajorStagedMaxBytes (K <= 3008),
+// one matrix's scales.
+inline constexpr int kExpertMajorStagedMaxSmem =
+    kExpertMajorStagedMaxBytes + kExpertMajorStagedRows * expert_major_staged_scale_stride(3008);
 
 // Whether one GEMM (`rows` outputs over K inputs) of an expert-major call runs the staged kernel:
 // never past one token tile per item (group 8) or past kExpertMajorStagedMaxBytes of staged
@@ -193,6 +219,9 @@ cudaError_t launch_nvfp4_pair_order(uint8_t* codes, int64_t bytes, cudaStream_t 
 // One streaming pass reading `count` float4 values; per-block partial sums go to `sink`
 // ([blocks] floats) so the reads cannot be optimised away.
 cudaError_t launch_stream_read(const float4* data, int64_t count, float* sink, int blocks, cudaStream_t stream);
+// Lets the staged expert-major kernels use the shared memory they may need (past the 48 KB that
+// needs no opt-in). Once per process, before the first launch; not a stream operation.
+cudaError_t prepare_expert_major_kernels();
 // A kernel image exists for the current device (false when the build targets another arch).
 bool kernels_runnable();
 
