@@ -462,7 +462,10 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
 // The MMAs of one work item (its routes, 16 rows of its expert from row0) and their epilogue.
 // kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory;
 // otherwise each warp has its own rows (stored where `store`) and the activations are staged.
-template <bool kGateUp, int kTiles, bool kSplit>
+// kScaleCopy (staged down only): the block also copies its NVFP4 scale codes into shared memory
+// where the expert's matrix allows it. A template parameter, so that the other kernels carry
+// neither the second main loop nor its registers.
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
                                          bool store = true, uint8_t* staged = nullptr) {
   constexpr int kMats = kGateUp ? 2 : 1;
@@ -485,7 +488,8 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   // (expert_major_staged_smem, for the layer's K), this expert's rows are whole 8-byte copies and
   // aligned; they lie past the activations.
   const int layer_K = kGateUp ? L.hidden : L.act_stride;
-  bool smem_scales = !kSplit && L.nvfp4 && format == WeightFormat::kNVFP4 && expert_major_stages_scales(layer_K, kMats) &&
+  static_assert(!kScaleCopy || (!kGateUp && !kSplit));
+  bool smem_scales = kScaleCopy && L.nvfp4 && format == WeightFormat::kNVFP4 && expert_major_stages_scales(layer_K, kMats) &&
                      K % 128 == 0;
   uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
@@ -535,7 +539,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   float acc[kTiles][kMats][4] = {};
   switch (format) {
     case WeightFormat::kNVFP4:
-      if constexpr (!kSplit && kMats == 1) {
+      if constexpr (kScaleCopy) {
         if (smem_scales && aligned16) {
           mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true>(rows, K, tiles, stage, acc);
           break;
@@ -592,8 +596,8 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 // block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the item's
 // activations staged once per block in shared memory (kTile x expert_major_staged_row_bytes(K) bytes).
 // Warps past the matrix's rows compute a copy of the group's first rows and store nothing: every
-// warp reaches the staging barrier.
-template <bool kGateUp>
+// warp reaches the staging barrier. kScaleCopy: see run_item.
+template <bool kGateUp, bool kScaleCopy = false>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
@@ -603,7 +607,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, 
   const int group_row0 = blockIdx.x * kWarps * kRows;
   if (group_row0 >= rows) return;
   const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;
-  run_item<kGateUp, 1, false>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
+  run_item<kGateUp, 1, false, kScaleCopy>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
 }
 
 }  // namespace
@@ -631,6 +635,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
     if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    } else if (L.nvfp4 && expert_major_stages_scales(K, 1)) {
+      moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
       moe_expert_staged<false><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     }
@@ -643,15 +649,11 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
 }  // namespace
 
 cudaError_t prepare_expert_major_kernels() {
-  for (const void* kernel : {reinterpret_cast<const void*>(moe_expert_staged<true>),
-                             reinterpret_cast<const void*>(moe_expert_staged<false>)}) {
-    // No carveout preference: the driver's own choice. Forcing shared memory over L1 measured
-    // 0.71-0.83x on the qwen3 shapes' staged calls (docs/PERF.md, v3.9).
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStagedMaxSmem);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  // Only the scale-copying down asks for more than the 48 KB that needs no opt-in. No carveout
+  // preference (the driver's own choice): forcing shared memory over L1 measured 0.71-0.83x on
+  // the qwen3 shapes' staged calls (docs/PERF.md, v3.9).
+  return cudaFuncSetAttribute(moe_expert_staged<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kExpertMajorStagedMaxSmem);
 }
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,

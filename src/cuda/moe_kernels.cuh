@@ -123,8 +123,8 @@ __host__ __device__ constexpr int expert_major_staged_row_bytes(int K) { return 
 // Whether a staged GEMM of `mats` matrices (2: gate_up, 1: down) over K inputs copies its NVFP4
 // scale codes into shared memory with the activations, once per block, instead of loading 8 bytes
 // per row every chunk: for down at K >= 2048 (whole 8-byte copies need K % 128 == 0). Measured on
-// the H200: DeepSeek-V3's down (K = 2048) gained, calls 1.06-1.12x at N = 4-256; qwen3's downs
-// (K = 512, 768) and gate_ups (2 matrices, K = 2048) lost 4-18% (docs/PERF.md, v3.8).
+// the H200: DeepSeek-V3's down (K = 2048) gained, calls 1.07-1.13x at N = 4-256; staging them for
+// every GEMM (qwen3's gate_ups too, 51 KB blocks) lost 8-15% there (docs/PERF.md, v3.9).
 __host__ __device__ constexpr bool expert_major_stages_scales(int K, int mats) {
   return mats == 1 && K >= 2048 && K % 128 == 0;
 }
