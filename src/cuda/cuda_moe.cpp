@@ -305,7 +305,11 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   const PathKind path = impl_->plan.path_for(n);
-  const int group = path == PathKind::kExpertMajor ? cuda::expert_major_launch(impl_->dev, tokens).group : 0;
+  // Expert-major: one decision (routes per item, grid, kernels) for the route kernel's grouping
+  // and the GEMMs.
+  const cuda::ExpertMajorLaunch call =
+      path == PathKind::kExpertMajor ? cuda::expert_major_launch(impl_->dev, tokens) : cuda::ExpertMajorLaunch{};
+  const int group = path == PathKind::kExpertMajor ? call.group : 0;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:
@@ -313,7 +317,7 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     case PathKind::kPerRow:
       return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
     case PathKind::kExpertMajor:
-      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, impl_->ws, out, s), "expert-major");
+      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, impl_->ws, call, out, s), "expert-major");
   }
   return internal_error("unknown path");
 }

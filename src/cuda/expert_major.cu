@@ -656,9 +656,8 @@ cudaError_t prepare_expert_major_kernels() {
                               kExpertMajorStagedMaxSmem);
 }
 
-cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
-                                    cudaStream_t stream) {
-  const ExpertMajorLaunch call = expert_major_launch(L, n);
+cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
+                                    const ExpertMajorLaunch& call, float* out, cudaStream_t stream) {
   for (const bool gate_up : {true, false}) {
     const cudaError_t err = launch_gemm(gate_up, L, n, ws, call, stream);
     if (err != cudaSuccess) return err;

@@ -145,6 +145,11 @@ __host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool
 inline constexpr int kExpertMajorStagedMaxSmem =
     kExpertMajorStagedMaxBytes + kExpertMajorStagedRows * expert_major_staged_scale_stride(3008);
 
+// Whether a staged block's 8 token columns of K bf16 activations fit kExpertMajorStagedMaxBytes.
+__host__ __device__ constexpr bool expert_major_staged_fits(int K) {
+  return 8 * expert_major_staged_row_bytes(K) <= kExpertMajorStagedMaxBytes;
+}
+
 // Whether one GEMM (`rows` outputs over K inputs) of an expert-major call runs the staged kernel:
 // never past one token tile per item (group 8) or past kExpertMajorStagedMaxBytes of staged
 // activations; else as `mode` forces (1 on, 0 off), or by default (-1) once its grid holds 8
@@ -153,7 +158,7 @@ inline constexpr int kExpertMajorStagedMaxSmem =
 // 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
 // (docs/PERF.md, v3.7).
 inline bool expert_major_staged(int mode, int group, int rows, int K, int max_items, int sm_count) {
-  if (group != 8 || 8 * expert_major_staged_row_bytes(K) > kExpertMajorStagedMaxBytes) return false;
+  if (group != 8 || !expert_major_staged_fits(K)) return false;
   if (mode >= 0) return mode == 1;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
@@ -162,8 +167,7 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // Whether both GEMMs of an expert-major call may run the staged kernels: their activations
 // (K = hidden for gate_up, act_stride for down) fit, and `mode` does not forbid them.
 inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
-  const int largest = hidden > act_stride ? hidden : act_stride;
-  return mode != 0 && 8 * expert_major_staged_row_bytes(largest) <= kExpertMajorStagedMaxBytes;
+  return mode != 0 && expert_major_staged_fits(hidden > act_stride ? hidden : act_stride);
 }
 
 // Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
@@ -207,8 +211,9 @@ cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n,
                                    float* out, cudaStream_t stream);
 // Routes grouped by expert on the device, then per (expert, 16 rows, up to 32 routes) one block
 // of tensor-core MMAs over the expert's weights, read once per call and dequantized in registers.
+// `call` is expert_major_launch(layer, n), whose group the route kernel grouped by.
 cudaError_t launch_moe_expert_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
-                                    float* out, cudaStream_t stream);
+                                    const ExpertMajorLaunch& call, float* out, cudaStream_t stream);
 cudaError_t launch_moe_blend(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream);
 cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
