@@ -41,6 +41,22 @@ struct DeviceArray {
   size_t size;
 };
 
+// One replay of `exec` and one eager call of `moe` on the input already in x, each into a
+// poisoned `out`: the two must agree bit for bit. Returns the replay's output.
+std::vector<float> replay_matching_eager(cudaGraphExec_t exec, cudaStream_t stream, const CudaMoe& moe,
+                                         const DeviceArray<float>& x, DeviceArray<float>& out, int64_t n, uint64_t seed) {
+  out.poison();
+  EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<float> replayed = out.get();
+  out.poison();
+  EXPECT_TRUE(moe.forward(x.ptr, n, out.ptr, stream).ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const std::vector<float> eager = out.get();
+  EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float)), 0) << "seed " << seed;
+  return replayed;
+}
+
 class Cuda : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -76,17 +92,7 @@ TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
     const int64_t real = seed == 1 ? 5 : n;
     std::fill(tokens.begin() + real * h, tokens.end(), 0.0f);
     x.put(tokens);
-
-    out.poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::vector<float> replayed = out.get();
-
-    out.poison();
-    ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::vector<float> eager = out.get();
-    EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float)), 0) << "seed " << seed;
+    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
 
     const std::vector<float> real_tokens(tokens.begin(), tokens.begin() + real * h);
     std::vector<float> expected(real_tokens.size());
@@ -267,15 +273,7 @@ TEST_F(CudaEp, OneRankAllReduceInAGraph) {
   for (uint64_t seed = 2; seed <= 4; ++seed) {
     const std::vector<float> tokens = make_tokens(n, h, seed);
     x.put(tokens);
-    out.poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::vector<float> replayed = out.get();
-    out.poison();
-    ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::vector<float> eager = out.get();
-    EXPECT_EQ(std::memcmp(replayed.data(), eager.data(), eager.size() * sizeof(float)), 0) << "seed " << seed;
+    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
     std::vector<float> expected(tokens.size());
     ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
     EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
