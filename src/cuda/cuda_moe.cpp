@@ -129,9 +129,8 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
-  const bool down_scales = L.nvfp4 && cuda::expert_major_stages_scales(L.act_stride, 1);
   return fmt::format("{} routes/item, gate_up {}, down {}", call.group, call.staged_gate_up ? "staged" : "split-K",
-                     call.staged_down ? (down_scales ? "staged+scales" : "staged") : "split-K");
+                     call.staged_down ? (call.down_copies_scales ? "staged+scales" : "staged") : "split-K");
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }

@@ -487,10 +487,9 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   // Staged kernels: the scale codes come from shared memory where the launch made room for them
   // (expert_major_staged_smem, for the layer's K), this expert's rows are whole 8-byte copies and
   // aligned; they lie past the activations.
-  const int layer_K = kGateUp ? L.hidden : L.act_stride;
+  // (The launch runs the kScaleCopy kernel only where ExpertMajorLaunch::down_copies_scales.)
   static_assert(!kScaleCopy || (!kGateUp && !kSplit));
-  bool smem_scales = kScaleCopy && L.nvfp4 && format == WeightFormat::kNVFP4 && expert_major_stages_scales(layer_K, kMats) &&
-                     K % 128 == 0;
+  bool smem_scales = kScaleCopy && format == WeightFormat::kNVFP4 && K % 128 == 0;
   uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
 #pragma unroll
@@ -540,7 +539,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   switch (format) {
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
-        if (smem_scales && aligned16) {
+        if (smem_scales) {  // implies aligned16
           mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true>(rows, K, tiles, stage, acc);
           break;
         }
@@ -635,7 +634,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
     if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (L.nvfp4 && expert_major_stages_scales(K, 1)) {
+    } else if (call.down_copies_scales) {
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
       moe_expert_staged<false><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);

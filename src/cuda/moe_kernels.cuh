@@ -184,12 +184,15 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
-// which GEMMs run staged. The launcher and the bench's per-call config both read it.
+// which GEMMs run staged, and whether the staged down copies its NVFP4 scale codes into shared
+// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts). The
+// launcher and the bench's per-call config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
   bool staged_gate_up = false;
   bool staged_down = false;
+  bool down_copies_scales = false;
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -200,6 +203,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.max_items = expert_major_max_items(routes, experts, c.group);
   c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, L.hidden, c.max_items, L.sm_count);
   c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
+  c.down_copies_scales = c.staged_down && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
   return c;
 }
 
