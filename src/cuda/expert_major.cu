@@ -101,6 +101,25 @@ __device__ __forceinline__ unsigned weight_bytes(unsigned cols) {
 template <Fmt F, int V>
 constexpr int kRunBytes = F == Fmt::kNvfp4 ? (V == 4 ? 4 : V / 2) : (is_fp8(F) ? V : 2 * V);
 
+// A weight load on the read-only path that allocates no L1 line (ld.global.nc.L1::no_allocate):
+// weights are read once per call, and L1 is left to the scale codes and activations.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_stream(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned load_stream(const unsigned* p) {
+  unsigned v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // `kBytes` bytes at p into words: 16-byte loads where kAligned16 says p is 16-byte aligned, else
 // 8-byte loads (NVFP4 rows of K % 32 == 16 columns start 8 bytes off every other row). Weights
 // stream (read once per call); activations are cached.
@@ -109,18 +128,18 @@ __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
   if constexpr (kBytes >= 16 && kAligned16) {
 #pragma unroll
     for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 v = kStream ? __ldcs(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4 v = kStream ? load_stream(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
       w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
   } else if constexpr (kBytes >= 8) {
 #pragma unroll
     for (int i = 0; i < kBytes / 8; ++i) {
-      const uint2 v = kStream ? __ldcs(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
+      const uint2 v = kStream ? load_stream(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
       w[2 * i] = v.x, w[2 * i + 1] = v.y;
     }
   } else {
     static_assert(kBytes == 4);
-    w[0] = kStream ? __ldcs(reinterpret_cast<const unsigned int*>(p)) : __ldg(reinterpret_cast<const unsigned int*>(p));
+    w[0] = kStream ? load_stream(reinterpret_cast<const unsigned int*>(p)) : __ldg(reinterpret_cast<const unsigned int*>(p));
   }
 }
 
@@ -194,6 +213,15 @@ __device__ __forceinline__ void load_staged_scales(const LaneRows<kMats, kTiles>
   }
 }
 
+// An NVFP4 scale code. A staged warp reads its rows' codes through L1 at normal priority: the
+// row's next chunks read the same 32-byte sector. A split-K warp reads a few chunks per row and
+// marks them evict-first: normal priority there measured 0.98x at qwen3-next N = 4-8
+// (docs/PERF.md, v3.10).
+template <bool kCached, typename T>
+__device__ __forceinline__ T load_scale(const T* p) {
+  return kCached ? __ldg(p) : __ldcs(p);
+}
+
 // The chunk of 4V columns from k0: lane c's run starts at k0 + cV. With kStaged the activations
 // are read from shared memory at MMA time instead, and with kSmemScales the NVFP4 scale codes too.
 // kScales false leaves the scale codes out (staged ones are read once they have arrived).
@@ -212,11 +240,12 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
       if constexpr (F == Fmt::kNvfp4 && !kSmemScales) {
         const uint8_t* s = rows.scale_codes[mi][r] + k_weights / 16;
         if constexpr (V == 32 && kAligned16) {  // K % 32 == 0: the run's two codes are one aligned half word
-          ch.scale_codes[mi][r] = __ldcs(reinterpret_cast<const unsigned short*>(s));
+          ch.scale_codes[mi][r] = load_scale<kStaged>(reinterpret_cast<const unsigned short*>(s));
         } else if constexpr (V == 32) {
-          ch.scale_codes[mi][r] = static_cast<uint32_t>(__ldcs(s)) | static_cast<uint32_t>(__ldcs(s + 1)) << 8;
+          ch.scale_codes[mi][r] =
+              static_cast<uint32_t>(load_scale<kStaged>(s)) | static_cast<uint32_t>(load_scale<kStaged>(s + 1)) << 8;
         } else {
-          ch.scale_codes[mi][r] = __ldcs(s);
+          ch.scale_codes[mi][r] = load_scale<kStaged>(s);
         }
       }
     }
