@@ -326,8 +326,10 @@ __device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool 
 // The selection of DESIGN.md section 2 for token t by one warp, lane l holding experts
 // l, l + 32, ... (kPerLane of them) in registers; `keys` is this warp's shared scratch of
 // E + Z floats, used only for group-limited routing.
+// `ids`, where not null, gets the token's choices too (shared memory, at t * top_k).
 template <int kPerLane>
-__device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys) {
+__device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys,
+                                                 int* ids = nullptr) {
   const int lane = threadIdx.x % kWarp, outputs = L.router_outputs;
   float score[kPerLane], key[kPerLane];
   float max_logit = -INFINITY;
@@ -440,24 +442,29 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
   if (mine) {
     ws.ids[t * L.top_k + lane] = my_id;
     ws.weights[t * L.top_k + lane] = w;
+    if (ids != nullptr) ids[t * L.top_k + lane] = my_id;
   }
 }
 
 // The expert (table index) a route runs on here, or -1 for a zero-computation expert and for an
-// expert another rank owns.
-__device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route) {
+// expert another rank owns. The routed experts' ids come from `ids` where the caller has them in
+// shared memory, else from ws.ids.
+__device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route,
+                                                 const int* ids) {
   const int routed = n * L.top_k;
   if (route >= routed) return L.num_experts;  // the shared expert
-  const int id = __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
+  const int id = ids != nullptr ? ids[route] : __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
   return owns_expert(L, id) ? id : -1;
 }
 
 // By a whole block of kThreads: counts routes per expert, scans the counts, writes the work
 // items (up to `group` routes of one expert each) and the routes grouped by expert. Order
 // within an expert does not matter: each route's output column is computed on its own.
-// `counts` is shared memory for 2 x (E + shared) ints.
+// `counts` is shared memory for 2 x (E + shared) ints; `ids`, where not null, the routed
+// experts' ids in shared memory (else they are read from ws.ids).
 template <int kThreads>
-__device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts) {
+__device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts,
+                             const int* ids = nullptr) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
@@ -466,7 +473,7 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   for (int e = threadIdx.x; e < experts; e += kThreads) counts[e] = 0;
   __syncthreads();
   for (int r = threadIdx.x; r < routes; r += kThreads) {
-    const int e = route_table_index(L, ws, n, r);
+    const int e = route_table_index(L, ws, n, r, ids);
     if (e >= 0) atomicAdd(counts + e, 1);
   }
   __syncthreads();
@@ -494,7 +501,7 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   }
   __syncthreads();
   for (int r = threadIdx.x; r < routes; r += kThreads) {
-    const int e = route_table_index(L, ws, n, r);
+    const int e = route_table_index(L, ws, n, r, ids);
     if (e >= 0) ws.route_list[atomicAdd(cursor + e, 1)] = r;
   }
 }
@@ -508,16 +515,24 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 
 // Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) the last block to
 // finish groups the routes of all tokens. One launch, no block-wide barrier inside a token's
-// selection.
+// selection. A grid of one block (n <= 8) groups at once, from its choices in shared memory: no
+// fence, no counter, no L2 round trip for the ids.
 constexpr int kRouteWarps = 8;
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
   __shared__ bool last;
+  __shared__ int block_ids[kRouteWarps * kWarp];  // one block: every token's choices (top_k <= 32)
   const int warp = threadIdx.x / kWarp;
   const int t = blockIdx.x * kRouteWarps + warp;
-  if (t < n) route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs);
+  const bool one_block = gridDim.x == 1;
+  if (t < n) route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs, one_block ? block_ids : nullptr);
   if (group == 0) return;
+  if (one_block) {
+    __syncthreads();
+    group_routes<kRouteWarps * kWarp>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
+    return;
+  }
   // Publish this block's choices, then count finished blocks; the last one sees them all.
   __threadfence();
   __syncthreads();
