@@ -272,7 +272,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> x_bf16 = alloc(max_tokens * d.hidden * 2);
   Result<void*> act_bf16 = alloc(routes * L.act_stride * 2);
   Result<void*> route_list = alloc(routes * 4);
-  Result<void*> items = alloc(int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16);
+  const int64_t items_bytes = int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16;
+  Result<void*> items = alloc(items_bytes);
   Result<void*> num_items = alloc(4);
   Result<void*> blocks_done = alloc(4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
@@ -286,6 +287,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
   impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
+  // The GEMM kernels read their item beside the item count, also in slots past it.
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*items, 0, static_cast<size_t>(items_bytes)), "cudaMemset"));
   impl->ws.logits = static_cast<float*>(*logits);
   impl->ws.ids = static_cast<int32_t*>(*ids);
   impl->ws.weights = static_cast<float*>(*weights);

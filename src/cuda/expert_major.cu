@@ -601,12 +601,22 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   }
 }
 
+// This block's work item, ws.items[blockIdx.y], or false past the call's item count. The item's
+// load goes out beside the count's, so the expert's table entry waits one round trip, not two:
+// the test of item.x (no real item's is negative) keeps the load ahead of the branch, where the
+// compiler would otherwise sink it. Slots past the count hold stale items (the buffer is zeroed
+// at creation) and are not used.
+__device__ __forceinline__ bool read_item(const DevWorkspace& ws, int4& item) {
+  item = ws.items[blockIdx.y];
+  return static_cast<int>(blockIdx.y) < *ws.num_items && item.x >= 0;
+}
+
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
 // Gate and up of the item's routes -> activation (bf16).
 template <int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
-  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
-  const int4 item = ws.items[blockIdx.y];  // {expert, first, count, -}
+  int4 item;  // {expert, first, count, -}
+  if (!read_item(ws, item)) return;
   const int row0 = blockIdx.x * kRows;
   if (row0 >= L.experts[item.x].gate.rows) return;
   run_item<true, kTiles, true>(L, n, ws, item, row0);
@@ -616,8 +626,9 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L,
 // activations -> expert_out (fp32); the blend kernel sums them per token.
 template <int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, int n, DevWorkspace ws) {
-  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
-  run_item<false, kTiles, true>(L, n, ws, ws.items[blockIdx.y], blockIdx.x * kRows);
+  int4 item;
+  if (!read_item(ws, item)) return;
+  run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
 // The staged kernels (one token tile): grid (64-row groups of the output rows, max work items);
@@ -628,8 +639,8 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 template <bool kGateUp, bool kScaleCopy = false>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
-  if (static_cast<int>(blockIdx.y) >= *ws.num_items) return;
-  const int4 item = ws.items[blockIdx.y];
+  int4 item;
+  if (!read_item(ws, item)) return;
   const DevExpert& ex = L.experts[item.x];
   const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
   const int group_row0 = blockIdx.x * kWarps * kRows;
