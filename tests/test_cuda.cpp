@@ -127,9 +127,14 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // - aligned, as in the real models: K = 384 and 256 (whole 128-column chunks, NVFP4 rows
 //   16-byte aligned, no tails), 64-row groups;
 // - long down: K = 2048 for the routed experts' down, 1920 for the shared expert's, so NVFP4
-//   scale codes are staged in shared memory too, sized for the longer.
-// Staged calls keep one token tile per item up to N = 32 (16 routes per expert on average, so an
-// expert spans several items); with the staged kernels forbidden, N = 32 runs 4 token tiles.
+//   scale codes are staged in shared memory too, sized for the longer;
+// - sliced (K past 3008, activations staged 1024 columns at a time): gate_up at K = 3088 (K % 32
+//   == 16, its tail the only columns of the last slice) and at K = 4096 (whole slices); down at
+//   K = 3200 for the routed experts (the last slice one NVFP4 chunk) and 2112 for the shared
+//   expert (fewer slices than the launch is sized for, its tail again a slice of its own).
+// Where both GEMMs stage whole, calls keep one token tile per item up to N = 32 (16 routes per
+// expert on average, so an expert spans several items), else up to N = 16; past that, and with
+// the staged kernels forbidden, N = 32 runs 4 token tiles.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -138,14 +143,25 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
                                                               .top_k = 4, .shared_intermediate = 128});
   const LayerDesc long_down = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 2048, .num_experts = 8,
                                                                 .top_k = 4, .shared_intermediate = 1920});
+  const LayerDesc sliced_gate_up = family_layer(Family::kDeepseekV3, {.hidden = 3088, .intermediate = 128, .num_experts = 8,
+                                                                      .top_k = 4, .shared_intermediate = 64,
+                                                                      .routed_scaling_factor = 2.5});
+  const LayerDesc sliced_aligned = family_layer(Family::kQwen3Next, {.hidden = 4096, .intermediate = 64, .num_experts = 8,
+                                                                     .top_k = 4, .shared_intermediate = 64});
+  const LayerDesc sliced_down = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 3200, .num_experts = 8,
+                                                                  .top_k = 4, .shared_intermediate = 2112});
   ASSERT_TRUE(cuda::expert_major_stages_scales(2048, 1));
   int checked = 0;
-  for (const LayerDesc& d : {ragged, aligned, long_down}) {
+  for (const LayerDesc& d : {ragged, aligned, long_down, sliced_gate_up, sliced_aligned, sliced_down}) {
+    const bool gate_up_sliced = !cuda::expert_major_staged_fits(static_cast<int>(d.hidden));
+    const bool down_sliced = !cuda::expert_major_staged_fits(static_cast<int>(d.intermediate));
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
       for (const int64_t n : {1, 3, 8, 16, 32}) {
-        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, true), 8);
+        const bool one_tile = cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts,
+                                                       !gate_up_sliced && !down_sliced) == 8;
+        ASSERT_EQ(one_tile, n < 32 || (!gate_up_sliced && !down_sliced));
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
         std::vector<float> expected(tokens.size());
@@ -161,6 +177,12 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = out.get();
           const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n, staged ? "staged" : "split K");
+          // The sliced kernels run exactly where a staged call's K is past 3008.
+          const std::string config = moe->call_config(n);
+          EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && one_tile && gate_up_sliced)
+              << what << ": " << config;
+          EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && one_tile && down_sliced)
+              << what << ": " << config;
           ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
           // bf16 activations and operands: the path's tolerance in the backend-ops tests.
           EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
@@ -174,7 +196,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 3 * 4 * 5 * 2);
+  EXPECT_EQ(checked, 6 * 4 * 5 * 2);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -308,26 +330,40 @@ TEST_F(CudaEp, BadRankIsANamedError) {
 // the device may produce any grouping. Every routing must fit: count the items the device's
 // grouping makes (one per `group` routes of an expert) for adversarial and random routings.
 // Host-only: runs without a GPU.
-// The default choice between the expert-major kernels: staged only at one token tile, only
-// where K's staged activations fit 48 KB, and then once the grid holds 8 blocks per SM and the
-// call 32 work items; forcing overrides the last two conditions but not the first two.
-TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFitAndFillTheGpu) {
+// The default choice between the expert-major kernels: staged only at one token tile, and then
+// once the grid holds 8 blocks per SM and the call 32 work items; forcing overrides the last two
+// conditions but not the first. K does not decide: past 48 KB of activations they are staged in
+// slices.
+TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFillTheGpu) {
   // qwen3-30b on 132 SMs: gate_up's 768 rows make 12 row groups; 88 work items fill 1056 blocks.
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 2048, 88, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 2048, 87, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 2048, 1000, 132));  // 4 token tiles
-  EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 2048, 1000, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 88, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 87, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 1000, 132));  // 4 token tiles
+  EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 1000, 132));
   // DeepSeek-V3 down at N = 1: 112 row groups x 11 items pass 1056 blocks, but not 32 items.
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 2048, 11, 132));
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 7168, 2048, 32, 132));
-  // DeepSeek-V3 gate_up: K = 7168 would stage 8 x 14352 bytes.
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 7168, 1000, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(1, 8, 2048, 7168, 1000, 132));
-  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 2048, 1, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 2048, 1000, 132));
-  // NVFP4 scale codes staged only for down (one matrix) at K >= 2048, in whole 8-byte copies.
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 11, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 7168, 32, 132));
+  // DeepSeek-V3 gate_up: 2048 rows make 32 row groups, so 33 items fill the GPU.
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 32, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 2048, 33, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 1, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 1000, 132));
+}
+
+// What a staged block holds in shared memory: the whole K of 8 token columns where it fits
+// 48 KB, else two buffers of 1024 columns; NVFP4 scale codes staged too only for down (one
+// matrix) at K >= 2048, in whole 8-byte copies, and only beside whole-K activations.
+TEST(ExpertMajorSizing, StagedBlocksHoldWholeKOrTwoSlices) {
+  // The largest K that fits whole: 8 x (2 K rounded up to 128, + 16) <= 49152.
+  EXPECT_EQ(8 * cuda::expert_major_staged_row_bytes(3008), 48256);
+  EXPECT_TRUE(cuda::expert_major_staged_fits(3008));
+  EXPECT_FALSE(cuda::expert_major_staged_fits(3072));
+  EXPECT_EQ(cuda::kExpertMajorSliceBytes, 8 * (2048 + 16));
+  EXPECT_EQ(cuda::expert_major_staged_smem(3072, 2, true), 2 * 8 * 2064);
+  EXPECT_EQ(cuda::expert_major_staged_smem(7168, 1, true), 2 * 8 * 2064);  // no scale copy beside slices
   EXPECT_TRUE(cuda::expert_major_stages_scales(2048, 1));
   EXPECT_TRUE(cuda::expert_major_stages_scales(2944, 1));
+  EXPECT_FALSE(cuda::expert_major_stages_scales(3072, 1));
   EXPECT_FALSE(cuda::expert_major_stages_scales(2048, 2));
   EXPECT_FALSE(cuda::expert_major_stages_scales(768, 1));
   EXPECT_FALSE(cuda::expert_major_stages_scales(2064, 1));
@@ -337,14 +373,10 @@ TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFitAndFillTheGpu) {
   EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, false), 8 * 4112);
   EXPECT_EQ(cuda::expert_major_staged_smem(2048, 2, true), 8 * 4112);
   EXPECT_LE(cuda::expert_major_staged_smem(2944, 1, true), cuda::kExpertMajorStagedMaxSmem);
-  // The largest K that fits: 8 x (2 K rounded up to 128, + 16) <= 49152.
-  EXPECT_EQ(8 * cuda::expert_major_staged_row_bytes(3008), 48256);
-  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 64, 3008, 1, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(1, 8, 64, 3072, 1, 132));
 }
 
 // One token tile per item up to 16 routes per expert on average where both GEMMs can run staged
-// (an expert then spans items), else up to 8.
+// with their activations whole (an expert then spans items), else up to 8.
 TEST(ExpertMajorSizing, StageableCallsKeepOneTokenTileUpToSixteenRoutesPerExpert) {
   EXPECT_TRUE(cuda::expert_major_stageable(-1, 2048, 768));  // qwen3-30b
   EXPECT_TRUE(cuda::expert_major_stageable(1, 3008, 64));
@@ -364,7 +396,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
-    return fmt::format("{} {} {}{}", c.group, c.max_items, c.staged_gate_up ? "S" : "s", c.staged_down ? "S" : "s");
+    // s: split-K, S: staged, L: staged in slices
+    const auto kernel = [](bool staged, bool sliced) { return sliced ? "L" : (staged ? "S" : "s"); };
+    return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced),
+                       kernel(c.staged_down, c.down_sliced));
   };
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");     // gate_up 12 x 64 blocks < 8 x 132; down 32 x 64 past it
@@ -378,13 +413,16 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer forced_on = qwen;
   forced_on.staged = 1;
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
-  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up never staged (K = 7168).
+  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up staged in slices (K = 7168).
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
-  EXPECT_EQ(choice(ds, 4), "8 36 sS");
-  EXPECT_EQ(choice(ds, 256), "8 546 sS");
-  EXPECT_EQ(choice(ds, 257), "32 330 ss");
+  EXPECT_EQ(choice(ds, 4), "8 36 LS");  // gate_up: 32 x 36 blocks
+  EXPECT_EQ(choice(ds, 256), "8 546 LS");
+  EXPECT_EQ(choice(ds, 257), "32 330 ss");  // 16 routes per expert only where both stage whole
+  cuda::DevLayer ds_forced = ds;
+  ds_forced.staged = 1;
+  EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
 }
 
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {

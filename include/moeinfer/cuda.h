@@ -28,9 +28,9 @@ struct CudaMoeOptions {
   int rank = 0;
   int ranks = 1;
   // Expert-major GEMMs with one token tile per work item: true forces the staged kernels (64 rows
-  // per block, the block's activations staged in shared memory), false the split-K kernels (16
-  // rows per block, 4 warps splitting K); nullopt chooses per call by grid size. Layers whose
-  // staged activations would pass 48 KB (8 x K bf16) always run split-K.
+  // per block, the block's activations staged in shared memory, in slices of 1024 columns where
+  // the whole 8 x K bf16 would pass 48 KB), false the split-K kernels (16 rows per block, 4 warps
+  // splitting K); nullopt chooses per call by grid size.
   std::optional<bool> staged = std::nullopt;
 };
 
@@ -54,7 +54,8 @@ class CudaMoe {
   const Plan& plan() const;
   // The kernels a call of n tokens launches, one line: the path, and for expert-major the routes
   // per work item and each GEMM's kernel ("8 routes/item, gate_up split-K, down staged+scales";
-  // "+scales": NVFP4 scale codes staged in shared memory too).
+  // "+scales": NVFP4 scale codes staged in shared memory too; "+slices": the activations staged
+  // a slice at a time).
   std::string call_config(int64_t n) const;
   const LayerDesc& desc() const;
   int rank() const;   // CudaMoeOptions::rank

@@ -129,8 +129,10 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
-  return fmt::format("{} routes/item, gate_up {}, down {}", call.group, call.staged_gate_up ? "staged" : "split-K",
-                     call.staged_down ? (call.down_copies_scales ? "staged+scales" : "staged") : "split-K");
+  const auto staged = [](bool sliced) { return sliced ? "staged+slices" : "staged"; };
+  return fmt::format("{} routes/item, gate_up {}, down {}", call.group,
+                     call.staged_gate_up ? staged(call.gate_up_sliced) : "split-K",
+                     call.staged_down ? (call.down_copies_scales ? "staged+scales" : staged(call.down_sliced)) : "split-K");
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }

@@ -336,16 +336,81 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
   }
 }
 
+// The staged K loop of mma_rows where the layer's K is past expert_major_staged_fits: the
+// activations go through two shared-memory buffers a slice (kExpertMajorSliceCols columns) at a
+// time. `stage(s)` copies slice s into buffer s % 2 and commits it; slice s + 1 is copied while
+// the warps run slice s, and entering slice s waits for its copy and for every warp to have left
+// slice s - 1, whose buffer then takes slice s + 1. Every warp of the block runs the same K
+// (one item), so every warp reaches every barrier.
+template <Fmt F, int kMats, int kTiles, bool kAligned16, typename Stage>
+__device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
+                                float (&acc)[kTiles][kMats][4]) {
+  constexpr int V = kMainRun<F>;
+  constexpr unsigned kChunk = 4 * V;
+  constexpr int kSliceChunks = kExpertMajorSliceCols / kChunk;
+  static_assert(kSliceChunks % 2 == 0);  // a slice starts at an even chunk, the loop's step
+  const int chunks = K / kChunk;
+  const int slices = (K + kExpertMajorSliceCols - 1) / kExpertMajorSliceCols;
+  const auto enter_slice = [&](int slice) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (slice + 1 < slices) stage(slice + 1);
+  };
+  Chunk<F, V, kMats> even, odd;
+  if (chunks > 0) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, 0, even);
+  stage(0);
+  if (slices > 1) {
+    stage(1);
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  } else {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  }
+  __syncthreads();
+  // `at` is `rows` with the staged activations of the slice that starts at column base.
+  LaneRows<kMats, kTiles> at = rows;
+  for (int slice = 0; slice * kSliceChunks < chunks; ++slice) {
+    if (slice > 0) enter_slice(slice);
+    at.staged = rows.staged + slice % 2 * kExpertMajorSliceBytes;
+    const unsigned base = slice * kExpertMajorSliceCols;
+    const int end = chunks < (slice + 1) * kSliceChunks ? chunks : (slice + 1) * kSliceChunks;
+    for (int i = slice * kSliceChunks; i < end; i += 2) {
+      if (i + 1 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, (i + 1) * kChunk, odd);
+      mma_chunk<F, V, kMats, kTiles, true>(even, at, i * kChunk - base, tiles, acc);
+      if (i + 1 >= chunks) break;
+      if (i + 2 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, (i + 2) * kChunk, even);
+      mma_chunk<F, V, kMats, kTiles, true>(odd, at, (i + 1) * kChunk - base, tiles, acc);
+    }
+  }
+  // The tail lies in one slice, which may be the first of a new one.
+  const unsigned tail0 = chunks * kChunk;
+  const int tail_steps = (K - static_cast<int>(tail0)) / 16;
+  if (tail_steps == 0) return;
+  const int slice = static_cast<int>(tail0 / kExpertMajorSliceCols);
+  if (tail0 > 0 && tail0 % kExpertMajorSliceCols == 0) enter_slice(slice);
+  at.staged = rows.staged + slice % 2 * kExpertMajorSliceBytes;
+  for (int s = 0; s < tail_steps; ++s) {
+    Chunk<F, 4, kMats> tail;
+    load_chunk<F, 4, kMats, kTiles, kAligned16, true>(rows, tail0 + 16 * s, tail);
+    mma_chunk<F, 4, kMats, kTiles, true>(tail, at, tail0 + 16 * s - slice * kExpertMajorSliceCols, tiles, acc);
+  }
+}
+
 // This warp's K loop. kSplit: the block's 4 warps share one row tile, warp w taking full chunks
 // w, w+4, ... and tail steps w, w+4, ...; otherwise (the staged kernels) the warp runs every
 // chunk and tail step of its own rows. Chunks go through two buffers that swap roles, each loaded
 // one chunk ahead of its MMAs (two chunks of loads in flight per warp).
 // Staged kernels: `stage` starts the copies of the block's activations (and with kSmemScales its
 // NVFP4 scale codes) after the first chunk's weights are requested, and the loop waits for them there.
-template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, typename Stage>
+// kSliced: the staged loop of mma_rows_sliced instead.
+template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
   static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16));
+  static_assert(!kSliced || (!kSplit && !kSmemScales));
+  if constexpr (kSliced) {
+    mma_rows_sliced<F, kMats, kTiles, kAligned16>(rows, K, tiles, stage, acc);
+    return;
+  }
   constexpr bool kStaged = !kSplit;
   constexpr int V = kMainRun<F>;
   constexpr int kWays = kSplit ? kWarps : 1;
@@ -455,20 +520,27 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
   store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
 }
 
-// Copies the block's activations (8 token columns of K bf16, route_list[item.y + t] for column
-// t; columns past the item's routes copy its first route's) into shared memory with cp.async:
-// 16 threads per column, 16 bytes each per step.
+// The block's activations are copied by 16 threads per token column, 16 bytes each per step.
+constexpr int kStagersPerColumn = kWarps * kWarp / kTile;
+
+// The activations this thread copies: token column t = threadIdx.x / kStagersPerColumn of the
+// item, route_list[item.y + t] (columns past the item's routes copy its first route's).
 template <bool kGateUp>
-__device__ __forceinline__ void stage_columns(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int K,
-                                              uint8_t* staged) {
-  constexpr int kPerColumn = kWarps * kWarp / kTile;
-  const int t = threadIdx.x / kPerColumn;
+__device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int n, const DevWorkspace& ws, int4 item) {
+  const int t = threadIdx.x / kStagersPerColumn;
   const int route = ws.route_list[item.y + (t < item.z ? t : 0)];
-  const uint16_t* src = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
-                                : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + t * expert_major_staged_row_bytes(K)));
-  for (unsigned q = threadIdx.x % kPerColumn; q < static_cast<unsigned>(K / 8); q += kPerColumn) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * staged_unit(q)), "l"(src + 8 * q) : "memory");
+  return kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
+                 : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
+}
+
+// Copies 16-byte units u0 .. u1 - 1 (columns 8 u0 .. 8 u1 - 1) of this thread's column from `src`
+// into its row of `staged` (rows row_bytes apart), unit u at staged_unit(u - u0), with cp.async.
+__device__ __forceinline__ void stage_units(const uint16_t* src, unsigned u0, unsigned u1, uint8_t* staged, int row_bytes) {
+  const int t = threadIdx.x / kStagersPerColumn;
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + t * row_bytes));
+  for (unsigned q = u0 + threadIdx.x % kStagersPerColumn; q < u1; q += kStagersPerColumn) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * staged_unit(q - u0)), "l"(src + 8 * q)
+                 : "memory");
   }
 }
 
@@ -493,8 +565,9 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
 // otherwise each warp has its own rows (stored where `store`) and the activations are staged.
 // kScaleCopy (staged down only): the block also copies its NVFP4 scale codes into shared memory
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
-// neither the second main loop nor its registers.
-template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false>
+// neither the second main loop nor its registers. kSliced (staged only): the activations are
+// staged a slice at a time (the layer's K is past expert_major_staged_fits).
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
                                          bool store = true, uint8_t* staged = nullptr) {
   constexpr int kMats = kGateUp ? 2 : 1;
@@ -517,7 +590,8 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   // (expert_major_staged_smem, for the layer's K), this expert's rows are whole 8-byte copies and
   // aligned; they lie past the activations.
   // (The launch runs the kScaleCopy kernel only where ExpertMajorLaunch::down_copies_scales.)
-  static_assert(!kScaleCopy || (!kGateUp && !kSplit));
+  static_assert(!kScaleCopy || (!kGateUp && !kSplit && !kSliced));
+  static_assert(!kSliced || !kSplit);
   bool smem_scales = kScaleCopy && format == WeightFormat::kNVFP4 && K % 128 == 0;
   uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
@@ -540,7 +614,8 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
   }
   smem_scales = smem_scales && aligned16;
-  rows.staged = kSplit ? nullptr : staged + gid * expert_major_staged_row_bytes(K);
+  const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? kExpertMajorSliceCols : K);
+  rows.staged = kSplit ? nullptr : staged + gid * staged_row_bytes;
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
     rows.b[tile] = nullptr;
@@ -551,9 +626,17 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
                              : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
     }
   }
-  const auto stage = [&] {
-    if constexpr (!kSplit) {
-      stage_columns<kGateUp>(L, n, ws, item, K, staged);
+  const uint16_t* stage_src = nullptr;
+  const auto stage = [&]([[maybe_unused]] int slice = 0) {
+    if constexpr (kSliced) {
+      constexpr unsigned kUnits = kExpertMajorSliceCols / 8;
+      if (slice == 0) stage_src = staged_source<kGateUp>(L, n, ws, item);
+      const unsigned u0 = slice * kUnits, end = K / 8;
+      stage_units(stage_src, u0, u0 + kUnits < end ? u0 + kUnits : end, staged + slice % 2 * kExpertMajorSliceBytes,
+                  staged_row_bytes);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    } else if constexpr (!kSplit) {
+      stage_units(staged_source<kGateUp>(L, n, ws, item), 0, K / 8, staged, staged_row_bytes);
       if (smem_scales) {
 #pragma unroll
         for (int mi = 0; mi < kMats; ++mi) {
@@ -569,24 +652,24 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
         if (smem_scales) {  // implies aligned16
-          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true>(rows, K, tiles, stage, acc);
+          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true, kSliced>(rows, K, tiles, stage, acc);
           break;
         }
       }
       if (aligned16) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
       }
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false>(rows, K, tiles, stage, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
@@ -633,10 +716,11 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 
 // The staged kernels (one token tile): grid (64-row groups of the output rows, max work items);
 // block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the item's
-// activations staged once per block in shared memory (kTile x expert_major_staged_row_bytes(K) bytes).
+// activations staged once per block in shared memory (kTile x expert_major_staged_row_bytes(K)
+// bytes, or with kSliced two buffers of kExpertMajorSliceBytes that the slices take in turn).
 // Warps past the matrix's rows compute a copy of the group's first rows and store nothing: every
-// warp reaches the staging barrier. kScaleCopy: see run_item.
-template <bool kGateUp, bool kScaleCopy = false>
+// warp reaches every staging barrier. kScaleCopy, kSliced: see run_item.
+template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   int4 item;
@@ -646,7 +730,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, 
   const int group_row0 = blockIdx.x * kWarps * kRows;
   if (group_row0 >= rows) return;
   const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;
-  run_item<kGateUp, 1, false, kScaleCopy>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
+  run_item<kGateUp, 1, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
 }
 
 }  // namespace
@@ -672,8 +756,12 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
   if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
-    if (gate_up) {
+    if (gate_up && call.gate_up_sliced) {
+      moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    } else if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    } else if (call.down_sliced) {
+      moe_expert_staged<false, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (call.down_copies_scales) {
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {

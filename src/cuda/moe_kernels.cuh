@@ -112,60 +112,71 @@ inline int expert_major_max_items(int routes, int experts, int group = 8) {
 }
 
 // The staged expert-major kernels (one token tile per item): 64 output rows per block, 4 warps of
-// 16 each over the whole K, the item's 8 token columns copied once into shared memory.
+// 16 each over the whole K, the item's 8 token columns copied once into shared memory: the whole
+// K where it fits kExpertMajorStagedMaxBytes, else in slices of kExpertMajorSliceCols columns
+// through two buffers (the next slice copied while the warps run this one).
 inline constexpr int kExpertMajorStagedRows = 64;
 inline constexpr int kExpertMajorStagedMaxBytes = 48 * 1024;  // shared memory without opting in
+inline constexpr int kExpertMajorSliceCols = 1024;            // a multiple of every format's chunk (128, 64, 32)
 
 // Bytes between two token rows of the staged activations: K bf16 rounded up to 128 bytes, plus
 // 16, so that rows t and t + 1 start in different shared-memory bank groups.
 __host__ __device__ constexpr int expert_major_staged_row_bytes(int K) { return (K * 2 + 127) / 128 * 128 + 16; }
 
+// Whether a staged block's 8 token columns of K bf16 activations fit kExpertMajorStagedMaxBytes
+// whole; past that the staged kernels copy them a slice at a time.
+__host__ __device__ constexpr bool expert_major_staged_fits(int K) {
+  return 8 * expert_major_staged_row_bytes(K) <= kExpertMajorStagedMaxBytes;
+}
+// One buffer of a sliced staged block: 8 token rows of kExpertMajorSliceCols columns.
+inline constexpr int kExpertMajorSliceBytes = 8 * expert_major_staged_row_bytes(kExpertMajorSliceCols);
+
 // Whether a staged GEMM of `mats` matrices (2: gate_up, 1: down) over K inputs copies its NVFP4
 // scale codes into shared memory with the activations, once per block, instead of loading 8 bytes
-// per row every chunk: for down at K >= 2048 (whole 8-byte copies need K % 128 == 0). Measured on
-// the H200: DeepSeek-V3's down (K = 2048) gained, calls 1.07-1.13x at N = 4-256; staging them for
-// every GEMM (qwen3's gate_ups too, 51 KB blocks) lost 8-15% there (docs/PERF.md, v3.9).
+// per row every chunk: for down at K >= 2048 (whole 8-byte copies need K % 128 == 0) where the
+// activations are staged whole. Measured on the H200: DeepSeek-V3's down (K = 2048) gained, calls
+// 1.07-1.13x at N = 4-256; staging them for every GEMM (qwen3's gate_ups too, 51 KB blocks) lost
+// 8-15% there (docs/PERF.md, v3.9).
 __host__ __device__ constexpr bool expert_major_stages_scales(int K, int mats) {
-  return mats == 1 && K >= 2048 && K % 128 == 0;
+  return mats == 1 && K >= 2048 && K % 128 == 0 && expert_major_staged_fits(K);
 }
 // Bytes between two rows of staged scale codes: K / 16, padded to an odd number of 8-byte units
 // so that the 8 rows one load reads start in 8 different bank pairs.
 __host__ __device__ constexpr int expert_major_staged_scale_stride(int K) { return K / 16 + (K / 128 % 2 == 0 ? 8 : 0); }
 
 // Dynamic shared memory of a staged block for a GEMM over K inputs (the layer's: hidden for
-// gate_up, act_stride for down; an expert's own K is at most that): the activations, then, where
-// the layer has NVFP4 experts and expert_major_stages_scales says so, the scale codes.
+// gate_up, act_stride for down; an expert's own K is at most that): the activations, whole or as
+// two slice buffers, then, where the layer has NVFP4 experts and expert_major_stages_scales says
+// so, the scale codes.
 __host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4) {
+  if (!expert_major_staged_fits(K)) return 2 * kExpertMajorSliceBytes;
   return 8 * expert_major_staged_row_bytes(K) + (nvfp4 && expert_major_stages_scales(K, mats)
                                                      ? mats * kExpertMajorStagedRows * expert_major_staged_scale_stride(K)
                                                      : 0);
 }
 // The most any staged block asks for: activations within kExpertMajorStagedMaxBytes (K <= 3008),
-// one matrix's scales.
+// one matrix's scales. Two slice buffers take less.
 inline constexpr int kExpertMajorStagedMaxSmem =
     kExpertMajorStagedMaxBytes + kExpertMajorStagedRows * expert_major_staged_scale_stride(3008);
+static_assert(2 * kExpertMajorSliceBytes <= kExpertMajorStagedMaxBytes);
 
-// Whether a staged block's 8 token columns of K bf16 activations fit kExpertMajorStagedMaxBytes.
-__host__ __device__ constexpr bool expert_major_staged_fits(int K) {
-  return 8 * expert_major_staged_row_bytes(K) <= kExpertMajorStagedMaxBytes;
-}
-
-// Whether one GEMM (`rows` outputs over K inputs) of an expert-major call runs the staged kernel:
-// never past one token tile per item (group 8) or past kExpertMajorStagedMaxBytes of staged
-// activations; else as `mode` forces (1 on, 0 off), or by default (-1) once its grid holds 8
-// blocks per SM and the call 32 work items. Below that the split-K kernel's 4x more blocks keep
-// more loads in flight: on the H200, both GEMMs staged at 4 blocks per SM (qwen3 N = 8, about
-// 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
-// (docs/PERF.md, v3.7).
-inline bool expert_major_staged(int mode, int group, int rows, int K, int max_items, int sm_count) {
-  if (group != 8 || !expert_major_staged_fits(K)) return false;
+// Whether one GEMM (`rows` outputs) of an expert-major call runs the staged kernel:
+// never past one token tile per item (group 8); else as `mode` forces (1 on, 0 off), or by
+// default (-1) once its grid holds 8 blocks per SM and the call 32 work items. Below that the
+// split-K kernel's 4x more blocks keep more loads in flight: on the H200, both GEMMs staged at 4
+// blocks per SM (qwen3 N = 8, about 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at
+// 9 per SM (N = 4) 1.06-1.07x (docs/PERF.md, v3.7). K itself does not decide: past
+// kExpertMajorStagedMaxBytes the activations are staged in slices.
+inline bool expert_major_staged(int mode, int group, int rows, int max_items, int sm_count) {
+  if (group != 8) return false;
   if (mode >= 0) return mode == 1;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
 
-// Whether both GEMMs of an expert-major call may run the staged kernels: their activations
-// (K = hidden for gate_up, act_stride for down) fit, and `mode` does not forbid them.
+// Whether both GEMMs of an expert-major call may run the staged kernels with their activations
+// staged whole (K = hidden for gate_up, act_stride for down), and `mode` does not forbid them:
+// the case the rule of 16 routes per expert below was measured on (sliced staging was not).
 inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
   return mode != 0 && expert_major_staged_fits(hidden > act_stride ? hidden : act_stride);
 }
@@ -184,7 +195,8 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
-// which GEMMs run staged, and whether the staged down copies its NVFP4 scale codes into shared
+// which GEMMs run staged, which of those stage their activations in slices (the layer's K past
+// expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
 // memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts). The
 // launcher and the bench's per-call config both read it.
 struct ExpertMajorLaunch {
@@ -192,6 +204,8 @@ struct ExpertMajorLaunch {
   int max_items = 0;
   bool staged_gate_up = false;
   bool staged_down = false;
+  bool gate_up_sliced = false;  // staged with the activations in slices (K past the whole-K limit)
+  bool down_sliced = false;
   bool down_copies_scales = false;
 };
 
@@ -201,8 +215,10 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   c.max_items = expert_major_max_items(routes, experts, c.group);
-  c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, L.hidden, c.max_items, L.sm_count);
-  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
+  c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, c.max_items, L.sm_count);
+  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, c.max_items, L.sm_count);
+  c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
+  c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   c.down_copies_scales = c.staged_down && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
   return c;
 }
