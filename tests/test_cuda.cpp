@@ -132,9 +132,10 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 //   == 16, its tail the only columns of the last slice) and at K = 4096 (whole slices); down at
 //   K = 3200 for the routed experts (the last slice one NVFP4 chunk) and 2112 for the shared
 //   expert (fewer slices than the launch is sized for, its tail again a slice of its own).
-// Where both GEMMs stage whole, calls keep one token tile per item up to N = 32 (16 routes per
-// expert on average, so an expert spans several items), else up to N = 16; past that, and with
-// the staged kernels forbidden, N = 32 runs 4 token tiles.
+// Calls keep one token tile per item up to N = 16 (8 routes per expert on average). Past it, where
+// both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
+// routes make a full item and a partial one; N = 32: 16 routes per expert on average); elsewhere,
+// and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -158,10 +159,10 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
-      for (const int64_t n : {1, 3, 8, 16, 32}) {
-        const bool one_tile = cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts,
-                                                       !gate_up_sliced && !down_sliced) == 8;
-        ASSERT_EQ(one_tile, n < 32 || (!gate_up_sliced && !down_sliced));
+      for (const int64_t n : {1, 3, 8, 16, 24, 32}) {
+        const bool whole = !gate_up_sliced && !down_sliced;
+        const int group = n <= 16 ? 8 : (whole ? 16 : cuda::kExpertMajorGroup);
+        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, whole), group);
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
         std::vector<float> expected(tokens.size());
@@ -177,11 +178,16 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = out.get();
           const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n, staged ? "staged" : "split K");
-          // The sliced kernels run exactly where a staged call's K is past 3008.
+          // The kernels the test means to compare ran: staged where it says so, and sliced exactly
+          // where a staged call's K is past 3008.
           const std::string config = moe->call_config(n);
-          EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && one_tile && gate_up_sliced)
+          if (staged && group != cuda::kExpertMajorGroup) {
+            EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged, down staged", group), 0), 0u)
+                << what << ": " << config;
+          }
+          EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && group == 8 && gate_up_sliced)
               << what << ": " << config;
-          EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && one_tile && down_sliced)
+          EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
               << what << ": " << config;
           ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
           // bf16 activations and operands: the path's tolerance in the backend-ops tests.
@@ -196,7 +202,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 4 * 5 * 2);
+  EXPECT_EQ(checked, 6 * 4 * 6 * 2);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -339,6 +345,7 @@ TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFillTheGpu) {
   EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 88, 132));
   EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 87, 132));
   EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 1000, 132));  // 4 token tiles
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 16, 768, 257, 132));    // 2 token tiles
   EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 1000, 132));
   // DeepSeek-V3 down at N = 1: 112 row groups x 11 items pass 1056 blocks, but not 32 items.
   EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 11, 132));
@@ -372,19 +379,24 @@ TEST(ExpertMajorSizing, StagedBlocksHoldWholeKOrTwoSlices) {
   EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, true), 8 * 4112 + 64 * 136);
   EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, false), 8 * 4112);
   EXPECT_EQ(cuda::expert_major_staged_smem(2048, 2, true), 8 * 4112);
+  // Two token tiles: twice the activations, no scale copy, within the two-tile opt-in.
+  EXPECT_EQ(cuda::expert_major_staged_smem(2048, 1, true, 2), 16 * 4112);
+  EXPECT_LE(cuda::expert_major_staged_smem(3008, 2, true, 2), cuda::kExpertMajorStaged2MaxSmem);
   EXPECT_LE(cuda::expert_major_staged_smem(2944, 1, true), cuda::kExpertMajorStagedMaxSmem);
 }
 
-// One token tile per item up to 16 routes per expert on average where both GEMMs can run staged
-// with their activations whole (an expert then spans items), else up to 8.
-TEST(ExpertMajorSizing, StageableCallsKeepOneTokenTileUpToSixteenRoutesPerExpert) {
+// One token tile per item up to 8 routes per expert on average; where both GEMMs can run staged
+// with their activations whole, two up to 16 (the staged kernels' second tile), else 4.
+TEST(ExpertMajorSizing, StageableCallsRunTwoTokenTilesUpToSixteenRoutesPerExpert) {
   EXPECT_TRUE(cuda::expert_major_stageable(-1, 2048, 768));  // qwen3-30b
   EXPECT_TRUE(cuda::expert_major_stageable(1, 3008, 64));
   EXPECT_FALSE(cuda::expert_major_stageable(-1, 7168, 2048));  // DeepSeek-V3 gate_up: K = 7168
   EXPECT_FALSE(cuda::expert_major_stageable(-1, 64, 3072));
   EXPECT_FALSE(cuda::expert_major_stageable(0, 2048, 768));
   // qwen3-30b (128 experts, top-8): N = 256 averages 16 routes per expert.
-  EXPECT_EQ(cuda::expert_major_group(256, 8, 128, true), 8);
+  EXPECT_EQ(cuda::expert_major_group(128, 8, 128, true), 8);
+  EXPECT_EQ(cuda::expert_major_group(129, 8, 128, true), 16);
+  EXPECT_EQ(cuda::expert_major_group(256, 8, 128, true), 16);
   EXPECT_EQ(cuda::expert_major_group(257, 8, 128, true), cuda::kExpertMajorGroup);
   EXPECT_EQ(cuda::expert_major_group(128, 8, 128, false), 8);
   EXPECT_EQ(cuda::expert_major_group(129, 8, 128, false), cuda::kExpertMajorGroup);
@@ -404,7 +416,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");     // gate_up 12 x 64 blocks < 8 x 132; down 32 x 64 past it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
-  EXPECT_EQ(choice(qwen, 256), "8 385 SS");  // 16 routes per expert, still one token tile
+  EXPECT_EQ(choice(qwen, 256), "16 257 SS");  // 16 routes per expert: two token tiles, staged
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
@@ -451,8 +463,12 @@ TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
             const int table = experts + (shared ? 1 : 0);
             for (const bool stageable : {false, true}) {
               const int group = cuda::expert_major_group(n, top_k, experts, stageable);
-              // One token tile while the experts average at most 8 routes (16 where staged), else 4.
-              ASSERT_EQ(group, n * top_k <= (stageable ? 16 : 8) * experts ? 8 : cuda::kExpertMajorGroup) << "n " << n;
+              // One token tile while the experts average at most 8 routes, two up to 16 where staged,
+              // else 4.
+              const int expected = n * top_k <= 8 * experts                 ? 8
+                                   : stageable && n * top_k <= 16 * experts ? 16
+                                                                             : cuda::kExpertMajorGroup;
+              ASSERT_EQ(group, expected) << "n " << n;
               int items = 0;
               for (const int c : counts) items += (c + group - 1) / group;
               ASSERT_LE(items, cuda::expert_major_max_items(routes, table, group))

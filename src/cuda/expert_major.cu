@@ -155,6 +155,7 @@ struct LaneRows {
   const float* block_scales[kMats];
   const uint16_t* b[kTiles];
   const uint8_t* staged;  // staged kernels: this lane's token row of the block's activations in shared memory
+  int staged_tile;        // staged kernels: bytes from one token tile's rows to the next's
   // Staged kernels with staged NVFP4 scales: this lane's rows gid and gid + 8 of each matrix's copy.
   const uint8_t* staged_scales[kMats][2];
 };
@@ -311,7 +312,7 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
     if (tile >= tiles) break;
     uint32_t w[V / 2];
     if constexpr (kStaged) {
-      load_staged_b<V>(rows.staged, k0 + c * V, w);
+      load_staged_b<V>(rows.staged + tile * rows.staged_tile, k0 + c * V, w);
     } else if (tile == 0) {
 #pragma unroll
       for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
@@ -520,14 +521,16 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
   store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
 }
 
-// The block's activations are copied by 16 threads per token column, 16 bytes each per step.
+// The block's activations are copied by `per_column` threads per token column (16 for one token
+// tile, 8 for two), 16 bytes each per step.
 constexpr int kStagersPerColumn = kWarps * kWarp / kTile;
 
-// The activations this thread copies: token column t = threadIdx.x / kStagersPerColumn of the
-// item, route_list[item.y + t] (columns past the item's routes copy its first route's).
+// The activations this thread copies: token column t = threadIdx.x / per_column of the item,
+// route_list[item.y + t] (columns past the item's routes copy its first route's).
 template <bool kGateUp>
-__device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int n, const DevWorkspace& ws, int4 item) {
-  const int t = threadIdx.x / kStagersPerColumn;
+__device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int n, const DevWorkspace& ws, int4 item,
+                                                         int per_column) {
+  const int t = threadIdx.x / per_column;
   const int route = ws.route_list[item.y + (t < item.z ? t : 0)];
   return kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
                  : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
@@ -535,10 +538,11 @@ __device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int 
 
 // Copies 16-byte units u0 .. u1 - 1 (columns 8 u0 .. 8 u1 - 1) of this thread's column from `src`
 // into its row of `staged` (rows row_bytes apart), unit u at staged_unit(u - u0), with cp.async.
-__device__ __forceinline__ void stage_units(const uint16_t* src, unsigned u0, unsigned u1, uint8_t* staged, int row_bytes) {
-  const int t = threadIdx.x / kStagersPerColumn;
+__device__ __forceinline__ void stage_units(const uint16_t* src, unsigned u0, unsigned u1, uint8_t* staged, int row_bytes,
+                                            int per_column) {
+  const int t = threadIdx.x / per_column;
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + t * row_bytes));
-  for (unsigned q = u0 + threadIdx.x % kStagersPerColumn; q < u1; q += kStagersPerColumn) {
+  for (unsigned q = u0 + threadIdx.x % per_column; q < u1; q += per_column) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * staged_unit(q - u0)), "l"(src + 8 * q)
                  : "memory");
   }
@@ -616,6 +620,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   smem_scales = smem_scales && aligned16;
   const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? kExpertMajorSliceCols : K);
   rows.staged = kSplit ? nullptr : staged + gid * staged_row_bytes;
+  rows.staged_tile = kTile * staged_row_bytes;
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
     rows.b[tile] = nullptr;
@@ -626,17 +631,18 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
                              : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
     }
   }
+  const int per_column = kTiles == 1 ? kStagersPerColumn : kWarps * kWarp / (kTile * tiles);
   const uint16_t* stage_src = nullptr;
   const auto stage = [&]([[maybe_unused]] int slice = 0) {
     if constexpr (kSliced) {
       constexpr unsigned kUnits = kExpertMajorSliceCols / 8;
-      if (slice == 0) stage_src = staged_source<kGateUp>(L, n, ws, item);
+      if (slice == 0) stage_src = staged_source<kGateUp>(L, n, ws, item, per_column);
       const unsigned u0 = slice * kUnits, end = K / 8;
       stage_units(stage_src, u0, u0 + kUnits < end ? u0 + kUnits : end, staged + slice % 2 * kExpertMajorSliceBytes,
-                  staged_row_bytes);
+                  staged_row_bytes, per_column);
       asm volatile("cp.async.commit_group;" ::: "memory");
     } else if constexpr (!kSplit) {
-      stage_units(staged_source<kGateUp>(L, n, ws, item), 0, K / 8, staged, staged_row_bytes);
+      stage_units(staged_source<kGateUp>(L, n, ws, item, per_column), 0, K / 8, staged, staged_row_bytes, per_column);
       if (smem_scales) {
 #pragma unroll
         for (int mi = 0; mi < kMats; ++mi) {
@@ -674,13 +680,17 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
   } else if (store) {
-    float sum[kMats * 4];
 #pragma unroll
-    for (int mi = 0; mi < kMats; ++mi) {
+    for (int tile = 0; tile < kTiles; ++tile) {
+      if (tile > 0 && tile >= tiles) break;
+      float sum[kMats * 4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[0][mi][i];
+      for (int mi = 0; mi < kMats; ++mi) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[tile][mi][i];
+      }
+      store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
     }
-    store_tile<kGateUp>(L, n, ws, item, row0, 0, sum);
   }
 }
 
@@ -714,13 +724,14 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
-// The staged kernels (one token tile): grid (64-row groups of the output rows, max work items);
-// block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the item's
-// activations staged once per block in shared memory (kTile x expert_major_staged_row_bytes(K)
-// bytes, or with kSliced two buffers of kExpertMajorSliceBytes that the slices take in turn).
-// Warps past the matrix's rows compute a copy of the group's first rows and store nothing: every
-// warp reaches every staging barrier. kScaleCopy, kSliced: see run_item.
-template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false>
+// The staged kernels (kTiles token tiles, 1 or 2): grid (64-row groups of the output rows, max
+// work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the
+// item's activations staged once per block in shared memory (kTile x
+// expert_major_staged_row_bytes(K) bytes per token tile, or with kSliced two buffers of
+// kExpertMajorSliceBytes that the slices take in turn). Warps past the matrix's rows compute a
+// copy of the group's first rows and store nothing: every warp reaches every staging barrier.
+// kScaleCopy, kSliced (one tile only): see run_item.
+template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   int4 item;
@@ -730,7 +741,9 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, 
   const int group_row0 = blockIdx.x * kWarps * kRows;
   if (group_row0 >= rows) return;
   const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;
-  run_item<kGateUp, 1, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
+  static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
+  run_item<kGateUp, kTiles, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
+                                                        staged);
 }
 
 }  // namespace
@@ -755,8 +768,16 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
   const int max_items = call.max_items;
   if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
-    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4);
-    if (gate_up && call.gate_up_sliced) {
+    // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
+    const int tiles = call.group / kTile;
+    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
+    if (tiles == 2) {
+      if (gate_up) {
+        moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      } else {
+        moe_expert_staged<false, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      }
+    } else if (gate_up && call.gate_up_sliced) {
       moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
@@ -776,11 +797,20 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
 }  // namespace
 
 cudaError_t prepare_expert_major_kernels() {
-  // Only the scale-copying down asks for more than the 48 KB that needs no opt-in. No carveout
-  // preference (the driver's own choice): forcing shared memory over L1 measured 0.71-0.83x on
-  // the qwen3 shapes' staged calls (docs/PERF.md, v3.9).
-  return cudaFuncSetAttribute(moe_expert_staged<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              kExpertMajorStagedMaxSmem);
+  // The scale-copying down and the two-tile kernels ask for more than the 48 KB that needs no
+  // opt-in. No carveout preference (the driver's own choice): forcing shared memory over L1
+  // measured 0.71-0.83x on the qwen3 shapes' staged calls (docs/PERF.md, v3.9).
+  cudaError_t err = cudaFuncSetAttribute(moe_expert_staged<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kExpertMajorStagedMaxSmem);
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(moe_expert_staged<true, false, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kExpertMajorStaged2MaxSmem);
+  }
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(moe_expert_staged<false, false, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kExpertMajorStaged2MaxSmem);
+  }
+  return err;
 }
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,

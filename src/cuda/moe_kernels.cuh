@@ -111,10 +111,11 @@ inline int expert_major_max_items(int routes, int experts, int group = 8) {
   return bound < routes ? bound : routes;
 }
 
-// The staged expert-major kernels (one token tile per item): 64 output rows per block, 4 warps of
-// 16 each over the whole K, the item's 8 token columns copied once into shared memory: the whole
-// K where it fits kExpertMajorStagedMaxBytes, else in slices of kExpertMajorSliceCols columns
-// through two buffers (the next slice copied while the warps run this one).
+// The staged expert-major kernels (one or two token tiles per item): 64 output rows per block, 4
+// warps of 16 each over the whole K, the item's 8 or 16 token columns copied once into shared
+// memory: the whole K where it fits kExpertMajorStagedMaxBytes (per 8 columns), else (one tile
+// only) in slices of kExpertMajorSliceCols columns through two buffers (the next slice copied
+// while the warps run this one).
 inline constexpr int kExpertMajorStagedRows = 64;
 inline constexpr int kExpertMajorStagedMaxBytes = 48 * 1024;  // shared memory without opting in
 inline constexpr int kExpertMajorSliceCols = 1024;            // a multiple of every format's chunk (128, 64, 32)
@@ -145,30 +146,34 @@ __host__ __device__ constexpr bool expert_major_stages_scales(int K, int mats) {
 __host__ __device__ constexpr int expert_major_staged_scale_stride(int K) { return K / 16 + (K / 128 % 2 == 0 ? 8 : 0); }
 
 // Dynamic shared memory of a staged block for a GEMM over K inputs (the layer's: hidden for
-// gate_up, act_stride for down; an expert's own K is at most that): the activations, whole or as
-// two slice buffers, then, where the layer has NVFP4 experts and expert_major_stages_scales says
-// so, the scale codes.
-__host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4) {
+// gate_up, act_stride for down; an expert's own K is at most that) with `tiles` token tiles: the
+// activations, whole or (one tile past expert_major_staged_fits) as two slice buffers, then,
+// where the layer has NVFP4 experts and expert_major_stages_scales says so (one token tile only),
+// the scale codes.
+__host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4, int tiles = 1) {
   if (!expert_major_staged_fits(K)) return 2 * kExpertMajorSliceBytes;
-  return 8 * expert_major_staged_row_bytes(K) + (nvfp4 && expert_major_stages_scales(K, mats)
-                                                     ? mats * kExpertMajorStagedRows * expert_major_staged_scale_stride(K)
-                                                     : 0);
+  return 8 * tiles * expert_major_staged_row_bytes(K) +
+         (nvfp4 && tiles == 1 && expert_major_stages_scales(K, mats)
+              ? mats * kExpertMajorStagedRows * expert_major_staged_scale_stride(K)
+              : 0);
 }
 // The most any staged block asks for: activations within kExpertMajorStagedMaxBytes (K <= 3008),
-// one matrix's scales. Two slice buffers take less.
+// one matrix's scales; with two token tiles, twice the activations. Two slice buffers take less.
 inline constexpr int kExpertMajorStagedMaxSmem =
     kExpertMajorStagedMaxBytes + kExpertMajorStagedRows * expert_major_staged_scale_stride(3008);
+inline constexpr int kExpertMajorStaged2MaxSmem = 2 * kExpertMajorStagedMaxBytes;
 static_assert(2 * kExpertMajorSliceBytes <= kExpertMajorStagedMaxBytes);
 
-// Whether one GEMM (`rows` outputs) of an expert-major call runs the staged kernel:
-// never past one token tile per item (group 8); else as `mode` forces (1 on, 0 off), or by
-// default (-1) once its grid holds 8 blocks per SM and the call 32 work items. Below that the
-// split-K kernel's 4x more blocks keep more loads in flight: on the H200, both GEMMs staged at 4
-// blocks per SM (qwen3 N = 8, about 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at
-// 9 per SM (N = 4) 1.06-1.07x (docs/PERF.md, v3.7). K itself does not decide: past
-// kExpertMajorStagedMaxBytes the activations are staged in slices.
+// Whether one GEMM (`rows` outputs) of an expert-major call runs the staged kernel: never past
+// two token tiles per item (group 16, which expert_major_group picks only where both GEMMs stage
+// their activations whole); else as `mode` forces (1 on, 0 off), or by default (-1) once its grid
+// holds 8 blocks per SM and the call 32 work items. Below that the split-K kernel's 4x more blocks
+// keep more loads in flight: on the H200, both GEMMs staged at 4 blocks per SM (qwen3 N = 8, about
+// 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
+// (docs/PERF.md, v3.7). K itself does not decide: past kExpertMajorStagedMaxBytes the activations
+// are staged in slices.
 inline bool expert_major_staged(int mode, int group, int rows, int max_items, int sm_count) {
-  if (group != 8) return false;
+  if (group != 8 && group != 16) return false;
   if (mode >= 0) return mode == 1;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
@@ -176,7 +181,7 @@ inline bool expert_major_staged(int mode, int group, int rows, int max_items, in
 
 // Whether both GEMMs of an expert-major call may run the staged kernels with their activations
 // staged whole (K = hidden for gate_up, act_stride for down), and `mode` does not forbid them:
-// the case the rule of 16 routes per expert below was measured on (sliced staging was not).
+// where the two-tile kernels can run (sliced staging has one tile only).
 inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
   return mode != 0 && expert_major_staged_fits(hidden > act_stride ? hidden : act_stride);
 }
@@ -185,13 +190,14 @@ inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
 // tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
 // average 8 routes or fewer, although an expert (the shared one above all) with more routes is
 // then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
-// v3.4). Where both GEMMs can run staged, up to 16 routes on average: an expert's items are
-// adjacent in the grid, so its second read comes mostly from L2, and the staged kernels ran
-// qwen3-30b N = 128 in half the time the 4-tile kernel took at N = 256 (docs/PERF.md, v3.8).
-// Past that, 4 tiles.
+// v3.4). Where both GEMMs can run staged, up to 16 routes on average run two token tiles per item
+// in the staged kernels, so that an expert is read and decoded once for up to 16 routes (at one
+// tile, qwen3-30b N = 256 read each expert about twice: 333 us against N = 128's 217, docs/PERF.md
+// v3.8). Past that, 4 tiles.
 inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
-  const int64_t per_expert = stageable ? 16 : 8;
-  return static_cast<int64_t>(n) * top_k <= per_expert * experts ? 8 : kExpertMajorGroup;
+  const int64_t routes = static_cast<int64_t>(n) * top_k;
+  if (routes <= int64_t{8} * experts) return 8;
+  return stageable && routes <= int64_t{16} * experts ? 16 : kExpertMajorGroup;
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
@@ -219,7 +225,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, c.max_items, L.sm_count);
   c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
-  c.down_copies_scales = c.staged_down && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
+  c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
   return c;
 }
 
