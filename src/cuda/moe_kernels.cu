@@ -300,6 +300,73 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
   }
 }
 
+// Grid: (ceil((E + Z + shared gate) / 16), ceil(n / 8)). Block: 8 warps, warp w on router rows
+// 16 bx + 2w and 16 bx + 2w + 1 over all columns, for 8 tokens. For calls of many tokens
+// (kRouterWideTokens): moe_router_logits reads the 8 tokens' fp32 x (8 x 4H bytes) once per 2
+// rows, so at qwen3-next N = 64 L2 carried about 130 MB of x for 2 MB of router (the 32.8 us
+// of v3.4's profile); here the block's 8 warps share each x read through L1, 16 rows at a time.
+// Rows of any width that is a multiple of 8 (else the narrow kernel runs); the blocks also write
+// expert-major's bf16 copy of x.
+constexpr int kRouterWideRows = 16;
+constexpr int kRouterWideTokens = 32;  // calls of at least this many tokens
+__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(DevLayer L, const float* x, int n,
+                                                                               DevWorkspace ws) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int t0 = blockIdx.y * kRouterTokens;
+  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int64_t H = L.hidden;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
+  }
+
+  constexpr int kRowsPerWarp = kRouterWideRows / kRouterWarps;
+  const int e0 = blockIdx.x * kRouterWideRows + warp * kRowsPerWarp;
+  const float* xt = x + t0 * H;
+  float acc[kRowsPerWarp][kRouterTokens] = {};
+#pragma unroll 2
+  for (int c = lane * 8; c < L.hidden; c += kWarp * 8) {
+    float w[kRowsPerWarp][8];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int e = e0 + r;
+      if (e < L.router_outputs) {
+        load_weights8(L.router, e, c, w[r]);
+      } else if (e == L.router_outputs && L.shared_gate) {
+        const float4 a = *reinterpret_cast<const float4*>(L.shared_gate_values + c);
+        const float4 b = *reinterpret_cast<const float4*>(L.shared_gate_values + c + 4);
+        w[r][0] = a.x, w[r][1] = a.y, w[r][2] = a.z, w[r][3] = a.w, w[r][4] = b.x, w[r][5] = b.y, w[r][6] = b.z, w[r][7] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[r][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterTokens; ++j) {
+      if (j >= tokens) break;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) acc[r][j] += dot8(w[r], xt + j * H + c);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int e = e0 + r;
+    const bool gate_row = e == L.router_outputs && L.shared_gate;
+    float mine = 0.0f;  // lane j keeps token j's total
+#pragma unroll
+    for (int j = 0; j < kRouterTokens; ++j) {
+      const float dot = warp_sum(acc[r][j]);
+      if (lane == j) mine = dot;
+    }
+    if (lane >= tokens || (e >= L.router_outputs && !gate_row)) continue;
+    if (gate_row) {
+      ws.shared_gate[t0 + lane] = sigmoidf(mine);
+    } else {
+      const float bias = L.router.bias != nullptr ? L.router.bias[e] : 0.0f;
+      ws.logits[static_cast<int64_t>(t0 + lane) * L.router_outputs + e] = mine + bias;
+    }
+  }
+}
+
 // Order bits of a float: for non-NaN a > b exactly when order_bits(a) > order_bits(b) as
 // unsigned integers. kTakenBits lies below every float's (-inf is 0x007FFFFF).
 __device__ __forceinline__ uint32_t order_bits(float f) {
@@ -827,8 +894,14 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
 cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, int group,
                              cudaStream_t stream) {
   const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
-  const dim3 logits_grid((rows + kRouterRows - 1) / kRouterRows, (n + kRouterTokens - 1) / kRouterTokens);
-  moe_router_logits<<<logits_grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+  const int token_blocks = (n + kRouterTokens - 1) / kRouterTokens;
+  if (n >= kRouterWideTokens && L.router.cols % 8 == 0) {
+    moe_router_logits_wide<<<dim3((rows + kRouterWideRows - 1) / kRouterWideRows, token_blocks), kRouterWarps * kWarp, 0,
+                             stream>>>(L, x, n, ws);
+  } else {
+    moe_router_logits<<<dim3((rows + kRouterRows - 1) / kRouterRows, token_blocks), kRouterWarps * kWarp, 0, stream>>>(
+        L, x, n, ws);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   // One warp per token where the logits fit 16 registers per lane and the choices and groups
