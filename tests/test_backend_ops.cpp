@@ -82,7 +82,8 @@ std::vector<Variant> variants() {
 }
 
 // The token counts of the CUDA issue: decode sizes, odd sizes, and every power of two to 128;
-// 37 runs the CUDA router's many-token kernel with a partial block of tokens.
+// 37 runs the CUDA router's wide kernel (router_logits_wide: longcat768 and experts1040 on an
+// H200) with a partial block of tokens.
 const std::vector<int64_t> kTokens = {1, 2, 3, 4, 7, 8, 16, 19, 32, 37, 64, 128};
 
 struct Case {

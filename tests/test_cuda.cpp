@@ -182,8 +182,8 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           // where a staged call's K is past 3008.
           const std::string config = moe->call_config(n);
           if (staged && group != cuda::kExpertMajorGroup) {
-            EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged, down staged", group), 0), 0u)
-                << what << ": " << config;
+            EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged", group), 0), 0u) << what << ": " << config;
+            EXPECT_NE(config.find(", down staged"), std::string::npos) << what << ": " << config;
           }
           EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && group == 8 && gate_up_sliced)
               << what << ": " << config;
@@ -435,6 +435,22 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
+}
+
+// The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,
+// the H200's): the wide router from 1.5 blocks per SM, the loads-first blend within one wave.
+TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
+  // Router rows: qwen3-next 512 experts and the shared expert's gate; qwen3-30b 128 experts.
+  EXPECT_FALSE(cuda::router_logits_wide(513, 2048, 32, 132));   // 33 x 4 blocks
+  EXPECT_TRUE(cuda::router_logits_wide(513, 2048, 64, 132));    // 33 x 8
+  EXPECT_TRUE(cuda::router_logits_wide(513, 2048, 41, 132));    // 33 x 6, a partial token block
+  EXPECT_FALSE(cuda::router_logits_wide(128, 2048, 128, 132));  // 8 x 16
+  EXPECT_TRUE(cuda::router_logits_wide(128, 2048, 256, 132));   // 8 x 32
+  EXPECT_FALSE(cuda::router_logits_wide(513, 2044, 256, 132));  // rows not whole 8-column loads
+  // Blend grids of 8 blocks per token (H = 2048) at 3 resident blocks per SM.
+  EXPECT_TRUE(cuda::blend_loads_first(8 * 49, 3, 132));
+  EXPECT_FALSE(cuda::blend_loads_first(8 * 50, 3, 132));
+  EXPECT_FALSE(cuda::blend_loads_first(8, 0, 132));  // no occupancy known: the loop
 }
 
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {

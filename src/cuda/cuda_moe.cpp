@@ -245,6 +245,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.swiglu_alpha = d.swiglu_alpha;
   L.swiglu_limit = d.swiglu_limit;
   L.sm_count = prop.multiProcessorCount;
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::blend_resident_per_sm(&L.blend_resident), "blend occupancy"));
   L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||

@@ -236,7 +236,6 @@ constexpr int kRouteThreads = 256;
 constexpr int kRouterWarps = 8;
 constexpr int kRouterRows = 2;
 constexpr int kRouterParts = kRouterWarps / kRouterRows;
-constexpr int kRouterTokens = 8;
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
   __shared__ float partial[kRouterWarps][kRouterTokens];
@@ -301,14 +300,11 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
 }
 
 // Grid: (ceil((E + Z + shared gate) / 16), ceil(n / 8)). Block: 8 warps, warp w on router rows
-// 16 bx + 2w and 16 bx + 2w + 1 over all columns, for 8 tokens. For calls of many tokens
-// (kRouterWideTokens): moe_router_logits reads the 8 tokens' fp32 x (8 x 4H bytes) once per 2
+// 16 bx + 2w and 16 bx + 2w + 1 over all columns, for 8 tokens. For grids that fill the GPU
+// (router_logits_wide): moe_router_logits reads the 8 tokens' fp32 x (8 x 4H bytes) once per 2
 // rows, so at qwen3-next N = 64 L2 carried about 130 MB of x for 2 MB of router (the 32.8 us
 // of v3.4's profile); here the block's 8 warps share each x read through L1, 16 rows at a time.
-// Rows of any width that is a multiple of 8 (else the narrow kernel runs); the blocks also write
-// expert-major's bf16 copy of x.
-constexpr int kRouterWideRows = 16;
-constexpr int kRouterWideTokens = 32;  // calls of at least this many tokens
+// Rows of any width that is a multiple of 8; the blocks also write expert-major's bf16 copy of x.
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(DevLayer L, const float* x, int n,
                                                                                DevWorkspace ws) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -778,42 +774,62 @@ __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevL
 
 // Grid: (ceil(H / 256), n). Block: 256 threads, one output element each:
 // out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared,
-// over the experts this rank runs (all of them without expert parallelism). Every load is issued
-// before any sum needs one: each y_j is read whatever expert j is (expert_out has a row per route,
-// unused rows hold stale values that are never added), so the thread waits about one L2 round
-// trip instead of two per route (at v3.10 the loop waited for each id before reading its y_j).
+// over the experts this rank runs (all of them without expert parallelism), summed in route
+// order either way. kLoadsFirst: every load is issued before any sum needs one (each y_j is read
+// whatever expert j is: expert_out has a row per route, and unused rows hold stale values that are
+// never added), so a thread waits about one L2 round trip instead of two per route, at 78
+// registers against 32. Else the loop reads each route's id, then its y_j, at full occupancy.
+// launch_moe_blend picks by the grid (blend_loads_first).
 constexpr int kBlendRoutes = 16;  // routes whose loads are in flight at once
+template <bool kLoadsFirst>
 __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   const int t = blockIdx.y;
   const int h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h >= L.hidden) return;
   const int64_t H = L.hidden;
-  const float xv = x[t * H + h];
-  float shared = 0.0f, gate = 1.0f;
-  if (L.has_shared) {
-    shared = ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
-    if (L.shared_gate) gate = ws.shared_gate[t];
-  }
   float acc = 0.0f;
-  for (int j0 = 0; j0 < L.top_k; j0 += kBlendRoutes) {
-    int id[kBlendRoutes];
-    float w[kBlendRoutes], y[kBlendRoutes];
-#pragma unroll
-    for (int u = 0; u < kBlendRoutes; ++u) {
-      const int route = t * L.top_k + j0 + u;
-      if (j0 + u < L.top_k) id[u] = ws.ids[route], w[u] = ws.weights[route], y[u] = ws.expert_out[route * H + h];
+  if constexpr (kLoadsFirst) {
+    const float xv = x[t * H + h];
+    float shared = 0.0f, gate = 1.0f;
+    if (L.has_shared) {
+      shared = ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
+      if (L.shared_gate) gate = ws.shared_gate[t];
     }
+    for (int j0 = 0; j0 < L.top_k; j0 += kBlendRoutes) {
+      int id[kBlendRoutes];
+      float w[kBlendRoutes], y[kBlendRoutes];
 #pragma unroll
-    for (int u = 0; u < kBlendRoutes; ++u) {
-      if (j0 + u >= L.top_k) break;
-      if (id[u] >= L.num_experts) {
-        if (L.adds_once) acc += w[u] * xv;
-      } else if (owns_expert(L, id[u])) {
-        acc += (L.weight_on_input ? 1.0f : w[u]) * y[u];
+      for (int u = 0; u < kBlendRoutes; ++u) {
+        const int route = t * L.top_k + j0 + u;
+        if (j0 + u < L.top_k) id[u] = ws.ids[route], w[u] = ws.weights[route], y[u] = ws.expert_out[route * H + h];
+      }
+#pragma unroll
+      for (int u = 0; u < kBlendRoutes; ++u) {
+        if (j0 + u >= L.top_k) break;
+        if (id[u] >= L.num_experts) {
+          if (L.adds_once) acc += w[u] * xv;
+        } else if (owns_expert(L, id[u])) {
+          acc += (L.weight_on_input ? 1.0f : w[u]) * y[u];
+        }
       }
     }
+    if (L.has_shared) acc += gate * shared;
+  } else {
+    for (int j = 0; j < L.top_k; ++j) {
+      const int route = t * L.top_k + j;
+      const int id = ws.ids[route];
+      const float w = ws.weights[route];
+      if (id >= L.num_experts) {
+        if (L.adds_once) acc += w * x[t * H + h];
+      } else if (owns_expert(L, id)) {
+        acc += (L.weight_on_input ? 1.0f : w) * ws.expert_out[route * H + h];
+      }
+    }
+    if (L.has_shared) {
+      const float gate = L.shared_gate ? ws.shared_gate[t] : 1.0f;
+      acc += gate * ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
+    }
   }
-  if (L.has_shared) acc += gate * shared;
   out[t * H + h] = acc;
 }
 
@@ -861,10 +877,18 @@ int route_count(const DevLayer& L, int n) { return n * L.top_k + (L.has_shared ?
 
 }  // namespace
 
+cudaError_t blend_resident_per_sm(int* blocks) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, moe_blend<true>, 256, 0);
+}
+
 cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream) {
   const dim3 grid((L.hidden + 255) / 256, n);
-  moe_blend<<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  if (blend_loads_first(static_cast<int64_t>(grid.x) * grid.y, L.blend_resident, L.sm_count)) {
+    moe_blend<true><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  } else {
+    moe_blend<false><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  }
   return cudaGetLastError();
 }
 
@@ -895,7 +919,7 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
                              cudaStream_t stream) {
   const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
   const int token_blocks = (n + kRouterTokens - 1) / kRouterTokens;
-  if (n >= kRouterWideTokens && L.router.cols % 8 == 0) {
+  if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
     moe_router_logits_wide<<<dim3((rows + kRouterWideRows - 1) / kRouterWideRows, token_blocks), kRouterWarps * kWarp, 0,
                              stream>>>(L, x, n, ws);
   } else {

@@ -58,6 +58,7 @@ struct DevLayer {
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
   int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
+  int32_t blend_resident = 0;  // blocks of the loads-first blend an SM holds (blend_loads_first)
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   DevMatrix router;                          // [E + Z, H], bias = router bias
@@ -229,6 +230,21 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   return c;
 }
 
+// The router's logits kernels take 8 tokens per block: moe_router_logits 2 router rows per block
+// (4 warps on each), moe_router_logits_wide 16 (2 per warp, the block's 8 warps sharing each read
+// of x through L1). The wide one moves an eighth of the x traffic through L2 but has an eighth of
+// the blocks, so it runs once its grid holds 1.5 blocks per SM (and rows are whole 8-column
+// loads). Measured on the H200 (132 SMs, docs/PERF.md v3.11), the wide kernel against the narrow:
+// 132 blocks (qwen3-next N = 32) 0.97-0.98x, 128 (qwen3-30b N = 128) 0.98x, 64 (qwen3-30b
+// N = 64) 0.92-0.93x; 256 (qwen3-30b N = 256) 1.03x, 264 (qwen3-next N = 64) 1.03-1.04x.
+inline constexpr int kRouterTokens = 8;
+inline constexpr int kRouterWideRows = 16;
+inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
+  const int64_t blocks = static_cast<int64_t>((rows + kRouterWideRows - 1) / kRouterWideRows) *
+                         ((n + kRouterTokens - 1) / kRouterTokens);
+  return cols % 8 == 0 && 2 * blocks >= int64_t{3} * sm_count;
+}
+
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
 // items of up to `group` routes (ws.items, ws.route_list, ws.num_items).
 cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, int group,
@@ -240,6 +256,16 @@ cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n,
 // `call` is expert_major_launch(layer, n), whose group the route kernel grouped by.
 cudaError_t launch_moe_expert_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                     const ExpertMajorLaunch& call, float* out, cudaStream_t stream);
+// Whether the blend issues all of a thread's loads first (moe_blend<true>, 78 registers): where
+// its grid of `blocks` fits one wave of the `resident_per_sm` blocks an SM holds of it. Past that
+// it runs at full occupancy instead. Measured on the H200, loads first against the loop (docs/PERF.md
+// v3.11): 1.01-1.03x at qwen3 N = 1-16 (8-128 blocks), 1.00-1.01x at N = 32 (256); 0.99-1.00x at
+// N = 64 (512 blocks, past 3 per SM x 132), 0.98-0.99x at N = 128-256.
+inline bool blend_loads_first(int64_t blocks, int resident_per_sm, int sm_count) {
+  return blocks <= static_cast<int64_t>(resident_per_sm) * sm_count;
+}
+// The blocks of 256 threads of the loads-first blend that one SM of the current device holds.
+cudaError_t blend_resident_per_sm(int* blocks);
 cudaError_t launch_moe_blend(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream);
 cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
