@@ -336,25 +336,28 @@ TEST_F(CudaEp, BadRankIsANamedError) {
 // the device may produce any grouping. Every routing must fit: count the items the device's
 // grouping makes (one per `group` routes of an expert) for adversarial and random routings.
 // Host-only: runs without a GPU.
-// The default choice between the expert-major kernels: staged only at one token tile, and then
-// once the grid holds 8 blocks per SM and the call 32 work items; forcing overrides the last two
-// conditions but not the first. K does not decide: past 48 KB of activations they are staged in
-// slices.
+// The default choice between the expert-major kernels: staged only at one or two token tiles,
+// and then once the grid holds 8 blocks per SM, the call 32 work items and the activations of K
+// columns fit shared memory whole (48 KB); forcing overrides the last three conditions but not
+// the first: past 48 KB it stages the activations in slices.
 TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFillTheGpu) {
   // qwen3-30b on 132 SMs: gate_up's 768 rows make 12 row groups; 88 work items fill 1056 blocks.
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 88, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 87, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 1000, 132));  // 4 token tiles
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 16, 768, 257, 132));    // 2 token tiles
-  EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 1000, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 768, 2048, 88, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 768, 2048, 87, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 32, 768, 2048, 1000, 132));  // 4 token tiles
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 16, 768, 2048, 257, 132));    // 2 token tiles
+  EXPECT_FALSE(cuda::expert_major_staged(1, 32, 768, 2048, 1000, 132));
   // DeepSeek-V3 down at N = 1: 112 row groups x 11 items pass 1056 blocks, but not 32 items.
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 11, 132));
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 7168, 32, 132));
-  // DeepSeek-V3 gate_up: 2048 rows make 32 row groups, so 33 items fill the GPU.
-  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 32, 132));
-  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 2048, 33, 132));
-  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 1, 132));
-  EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 1000, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 7168, 2048, 11, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 7168, 2048, 32, 132));
+  // DeepSeek-V3 gate_up: 2048 rows make 32 row groups, so 33 items would fill the GPU, but K =
+  // 7168 stages only in slices: split-K unless forced.
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 7168, 1000, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 2048, 7168, 1, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 2048, 3008, 33, 132));  // the widest K staged whole
+  EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 3008, 32, 132));
+  EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 2048, 1, 132));
+  EXPECT_FALSE(cuda::expert_major_staged(0, 8, 768, 2048, 1000, 132));
 }
 
 // What a staged block holds in shared memory: the whole K of 8 token columns where it fits
@@ -425,12 +428,13 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer forced_on = qwen;
   forced_on.staged = 1;
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
-  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up staged in slices (K = 7168).
+  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
+  // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
-  EXPECT_EQ(choice(ds, 4), "8 36 LS");  // gate_up: 32 x 36 blocks
-  EXPECT_EQ(choice(ds, 256), "8 546 LS");
+  EXPECT_EQ(choice(ds, 4), "8 36 sS");  // gate_up: 32 x 36 blocks, but K = 7168 only in slices
+  EXPECT_EQ(choice(ds, 256), "8 546 sS");
   EXPECT_EQ(choice(ds, 257), "32 330 ss");  // 16 routes per expert only where both stage whole
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;

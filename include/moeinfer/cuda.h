@@ -30,7 +30,8 @@ struct CudaMoeOptions {
   // Expert-major GEMMs with one token tile per work item: true forces the staged kernels (64 rows
   // per block, the block's activations staged in shared memory, in slices of 1024 columns where
   // the whole 8 x K bf16 would pass 48 KB), false the split-K kernels (16 rows per block, 4 warps
-  // splitting K); nullopt chooses per call by grid size.
+  // splitting K); nullopt chooses per call by grid size, and never the sliced staging (slower
+  // wherever it was measured, docs/PERF.md v3.11).
   std::optional<bool> staged = std::nullopt;
 };
 

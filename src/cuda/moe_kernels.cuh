@@ -171,11 +171,14 @@ static_assert(2 * kExpertMajorSliceBytes <= kExpertMajorStagedMaxBytes);
 // holds 8 blocks per SM and the call 32 work items. Below that the split-K kernel's 4x more blocks
 // keep more loads in flight: on the H200, both GEMMs staged at 4 blocks per SM (qwen3 N = 8, about
 // 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
-// (docs/PERF.md, v3.7). K itself does not decide: past kExpertMajorStagedMaxBytes the activations
-// are staged in slices.
-inline bool expert_major_staged(int mode, int group, int rows, int max_items, int sm_count) {
+// (docs/PERF.md, v3.7). By default also only where the activations of K columns are staged whole:
+// staged in slices (K past kExpertMajorStagedMaxBytes, DeepSeek-V3's gate_up) they ran
+// 0.77-0.97x against split-K at every N they were chosen for (N = 4-256, docs/PERF.md v3.11), so
+// they run only when forced.
+inline bool expert_major_staged(int mode, int group, int rows, int K, int max_items, int sm_count) {
   if (group != 8 && group != 16) return false;
   if (mode >= 0) return mode == 1;
+  if (!expert_major_staged_fits(K)) return false;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
@@ -222,8 +225,8 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   c.max_items = expert_major_max_items(routes, experts, c.group);
-  c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, c.max_items, L.sm_count);
-  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, c.max_items, L.sm_count);
+  c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, L.hidden, c.max_items, L.sm_count);
+  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
   c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
