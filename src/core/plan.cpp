@@ -66,7 +66,7 @@ const char* path_config(PathKind path) {
       return "router 8 rows/block; routes grouped by expert; gate_up, down: mma.sync m16n8k16 bf16, "
              "16 rows x 8 routes/block (32 past 8 routes/expert, 16 where both K <= 3008), 4-way split K, 16 B loads, "
              "NVFP4 in pair order; at 8 routes/item, 32+ items and 8+ 64-row blocks per SM: 64 rows/block, "
-             "a warp per 16 rows over all K, activations staged in shared memory (in 1024-column slices past K 3008)";
+             "a warp per 16 rows over all K <= 3008, activations staged in shared memory (forced: in 1024-column slices past it)";
   }
   return "?";
 }
