@@ -233,6 +233,18 @@ constexpr int kRouteThreads = 256;
 // tokens at once: the router is read once per 8 tokens, by many blocks with few loads each, so
 // the reads are in flight together rather than one after another. The blocks also write
 // expert-major's bf16 copy of x.
+// The tokens of a router block (kRouterTokens from t0 = 8 blockIdx.y, fewer in the last); the
+// row of blocks (blockIdx.y) also writes their bf16 copy of x for the expert-major path.
+__device__ __forceinline__ int router_block_tokens(const DevLayer& L, const float* x, int n, const DevWorkspace& ws) {
+  const int t0 = blockIdx.y * kRouterTokens;
+  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int64_t H = L.hidden;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
+  }
+  return tokens;
+}
+
 constexpr int kRouterWarps = 8;
 constexpr int kRouterRows = 2;
 constexpr int kRouterParts = kRouterWarps / kRouterRows;
@@ -241,11 +253,8 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
   __shared__ float partial[kRouterWarps][kRouterTokens];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int t0 = blockIdx.y * kRouterTokens;
-  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int tokens = router_block_tokens(L, x, n, ws);
   const int64_t H = L.hidden;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
-  }
 
   const int part = warp / kRouterRows;
   const int e = blockIdx.x * kRouterRows + warp % kRouterRows;
@@ -309,11 +318,8 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(D
                                                                                DevWorkspace ws) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int t0 = blockIdx.y * kRouterTokens;
-  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int tokens = router_block_tokens(L, x, n, ws);
   const int64_t H = L.hidden;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
-  }
 
   constexpr int kRowsPerWarp = kRouterWideRows / kRouterWarps;
   const int e0 = blockIdx.x * kRouterWideRows + warp * kRowsPerWarp;
