@@ -228,11 +228,6 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// Grid: (ceil((E + Z + shared gate) / 2), ceil(n / 8)). Block: 8 warps on 2 router rows (the
-// shared expert's gate vector is one more row), 4 warps splitting each row's columns, for 8
-// tokens at once: the router is read once per 8 tokens, by many blocks with few loads each, so
-// the reads are in flight together rather than one after another. The blocks also write
-// expert-major's bf16 copy of x.
 // The tokens of a router block (kRouterTokens from t0 = 8 blockIdx.y, fewer in the last); the
 // row of blocks (blockIdx.y) also writes their bf16 copy of x for the expert-major path.
 __device__ __forceinline__ int router_block_tokens(const DevLayer& L, const float* x, int n, const DevWorkspace& ws) {
@@ -245,6 +240,11 @@ __device__ __forceinline__ int router_block_tokens(const DevLayer& L, const floa
   return tokens;
 }
 
+// Grid: (ceil((E + Z + shared gate) / 2), ceil(n / 8)). Block: 8 warps on 2 router rows (the
+// shared expert's gate vector is one more row), 4 warps splitting each row's columns, for 8
+// tokens at once: the router is read once per 8 tokens, by many blocks with few loads each, so
+// the reads are in flight together rather than one after another. The blocks also write
+// expert-major's bf16 copy of x.
 constexpr int kRouterWarps = 8;
 constexpr int kRouterRows = 2;
 constexpr int kRouterParts = kRouterWarps / kRouterRows;
