@@ -136,6 +136,9 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
 // routes make a full item and a partial one; N = 32: 16 routes per expert on average); elsewhere,
 // and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
+// The staged calls run twice: blocks of one pass of 64 rows, and of two passes over one staging
+// (both GEMMs, except the sliced and scale-copying kernels and the two-tile gate_up, which make one). The ragged shape's
+// 176 and 272 rows leave a second pass partial (48 and 16 rows) and some blocks without one.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -170,14 +173,18 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
         std::vector<float> split;
-        for (const bool staged : {false, true}) {
+        for (const int passes : {0, 1, 2}) {  // 0: split-K
+          const bool staged = passes > 0;
           std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
-              layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged}));
+              layer, n,
+              CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged,
+                             .staged_passes = staged ? std::optional<int>(passes) : std::nullopt}));
           out.poison();
           ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = out.get();
-          const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n, staged ? "staged" : "split K");
+          const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n,
+                                               staged ? fmt::format("staged, {} pass(es)", passes) : "split K");
           // The kernels the test means to compare ran: staged where it says so, and sliced exactly
           // where a staged call's K is past 3008.
           const std::string config = moe->call_config(n);
@@ -189,6 +196,18 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
               << what << ": " << config;
           EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
               << what << ": " << config;
+          // Two passes wherever a staged kernel can make them.
+          const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced &&
+                                  cuda::expert_major_stages_scales(static_cast<int>(d.intermediate), 1);
+          if (staged && group != cuda::kExpertMajorGroup) {
+            EXPECT_EQ(config.find("gate_up staged x2") != std::string::npos, passes == 2 && group == 8 && !gate_up_sliced)
+                << what << ": " << config;
+            EXPECT_EQ(config.find("down staged x2") != std::string::npos,
+                      passes == 2 && !(group == 8 && down_sliced) && !scale_copy)
+                << what << ": " << config;
+          } else {
+            EXPECT_EQ(config.find(" x2"), std::string::npos) << what << ": " << config;
+          }
           ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
           // bf16 activations and operands: the path's tolerance in the backend-ops tests.
           EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
@@ -202,7 +221,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 4 * 6 * 2);
+  EXPECT_EQ(checked, 6 * 4 * 6 * 3);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -411,15 +430,19 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
-    // s: split-K, S: staged, L: staged in slices
-    const auto kernel = [](bool staged, bool sliced) { return sliced ? "L" : (staged ? "S" : "s"); };
-    return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced),
-                       kernel(c.staged_down, c.down_sliced));
+    // s: split-K, S: staged, L: staged in slices; 2: staged in blocks of two 64-row passes
+    const auto kernel = [](bool staged, bool sliced, int passes) {
+      return sliced ? "L" : (staged ? (passes == 2 ? "2" : "S") : "s");
+    };
+    return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, c.gate_up_passes),
+                       kernel(c.staged_down, c.down_sliced, c.down_passes));
   };
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
-  EXPECT_EQ(choice(qwen, 8), "8 64 sS");     // gate_up 12 x 64 blocks < 8 x 132; down 32 x 64 past it
-  EXPECT_EQ(choice(qwen, 64), "8 193 SS");
-  EXPECT_EQ(choice(qwen, 256), "16 257 SS");  // 16 routes per expert: two token tiles, staged
+  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it, but in two passes 16 x 64 < 1056
+  EXPECT_EQ(choice(qwen, 8), "8 64 sS");
+  EXPECT_EQ(choice(qwen, 9), "8 72 s2");  // 16 x 72 blocks of two passes: down makes two
+  EXPECT_EQ(choice(qwen, 64), "8 193 S2");
+  EXPECT_EQ(choice(qwen, 256), "16 257 S2");  // 16 routes per expert: two token tiles, staged
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
@@ -428,17 +451,37 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer forced_on = qwen;
   forced_on.staged = 1;
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
+  forced_on.staged_passes = 2;  // forced: both GEMMs, however small the grid
+  EXPECT_EQ(choice(forced_on, 1), "8 8 22");
+  cuda::DevLayer one_pass = qwen;
+  one_pass.staged_passes = 1;
+  EXPECT_EQ(choice(one_pass, 256), "16 257 SS");
+  cuda::DevLayer two_passes = qwen;
+  two_passes.staged_passes = 2;
+  EXPECT_EQ(choice(two_passes, 64), "8 193 22");
+  EXPECT_EQ(choice(two_passes, 256), "16 257 S2");  // the two-tile gate_up makes one
+  EXPECT_EQ(choice(two_passes, 1), "8 8 ss");  // forcing passes stages nothing
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
-  EXPECT_EQ(choice(ds, 4), "8 36 sS");  // gate_up: 32 x 36 blocks, but K = 7168 only in slices
+  // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down (H 7168: 56 x 36 blocks of two
+  // passes) makes two where it does not copy NVFP4 scale codes, which it does only in a layer with
+  // NVFP4 experts
+  EXPECT_EQ(choice(ds, 4), "8 36 s2");
+  EXPECT_EQ(choice(ds, 256), "8 546 s2");
+  ds.nvfp4 = true;
+  EXPECT_EQ(choice(ds, 4), "8 36 sS");
   EXPECT_EQ(choice(ds, 256), "8 546 sS");
   EXPECT_EQ(choice(ds, 257), "32 330 ss");  // 16 routes per expert only where both stage whole
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
+  ds_forced.staged_passes = 2;  // sliced and scale-copying kernels make one pass whatever is forced
+  EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
+  ds_forced.nvfp4 = false;
+  EXPECT_EQ(choice(ds_forced, 1), "8 9 L2");
 }
 
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,

@@ -190,7 +190,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     std::unique_ptr<CudaMoe> moe;
     std::string plan;  // the plan's description (CUDA)
     if (cuda) {
-      const CudaMoeOptions options{.path = cfg.path, .rank = ep_rank(), .ranks = ep_size(), .staged = cfg.staged};
+      const CudaMoeOptions options{.path = cfg.path,
+                                   .rank = ep_rank(),
+                                   .ranks = ep_size(),
+                                   .staged = cfg.staged,
+                                   .staged_passes = cfg.staged_passes};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
         if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
       });
@@ -260,6 +264,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.config = moe ? moe->call_config(n) : std::string();
         row.plan = plan;
         if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
+        if (cfg.staged_passes) row.config += fmt::format("; {} staged pass(es) forced", *cfg.staged_passes);
         row.time_us = time_us;
         row.distinct_experts = distinct;
         // The floor: every distinct routed expert once, the shared expert, the router, the

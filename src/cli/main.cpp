@@ -147,6 +147,7 @@ struct BenchOptions {
   std::string backend = "auto";
   std::string path;
   std::string staged = "auto";
+  std::string staged_passes = "auto";
   std::string out = "bench-out";
   int inputs = 8;
   int reps = 20;
@@ -205,6 +206,12 @@ int bench_command(const BenchOptions& opt) {
     cfg.staged = opt.staged == "on";
   } else if (opt.staged != "auto") {
     return fail(invalid_argument(fmt::format("--staged: '{}' is not auto, on or off", opt.staged)));
+  }
+  if (opt.staged_passes == "1" || opt.staged_passes == "2") {
+    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged-passes applies to the cuda backend"));
+    cfg.staged_passes = opt.staged_passes[0] - '0';
+  } else if (opt.staged_passes != "auto") {
+    return fail(invalid_argument(fmt::format("--staged-passes: '{}' is not auto, 1 or 2", opt.staged_passes)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -476,6 +483,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--staged", bench.staged,
                         "CUDA expert-major GEMMs at 8 routes per item: staged kernels chosen by grid size (auto), "
                         "forced on, or off")
+      ->capture_default_str();
+  bench_cmd->add_option("--staged-passes", bench.staged_passes,
+                        "CUDA staged expert-major GEMMs: 64-row passes per block over one staging of the activations, "
+                        "chosen per call (auto), or 1 or 2 forced")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");

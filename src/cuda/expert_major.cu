@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"
@@ -401,7 +402,8 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
 // chunk and tail step of its own rows. Chunks go through two buffers that swap roles, each loaded
 // one chunk ahead of its MMAs (two chunks of loads in flight per warp).
 // Staged kernels: `stage` starts the copies of the block's activations (and with kSmemScales its
-// NVFP4 scale codes) after the first chunk's weights are requested, and the loop waits for them there.
+// NVFP4 scale codes) after the first chunk's weights are requested, and the loop waits for them
+// there, unless `stage` returns false (a later row pass over activations already staged).
 // kSliced: the staged loop of mma_rows_sliced instead.
 template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
@@ -423,9 +425,10 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   Chunk<F, V, kMats> even, odd;
   if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first, even);
   if constexpr (kStaged) {
-    stage();
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
+    if (stage()) {
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+    }
   }
   if constexpr (kSmemScales) {
     if (mine > 0) load_staged_scales(rows, first, even.scale_codes);
@@ -570,10 +573,11 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
 // kScaleCopy (staged down only): the block also copies its NVFP4 scale codes into shared memory
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
-// staged a slice at a time (the layer's K is past expert_major_staged_fits).
+// staged a slice at a time (the layer's K is past expert_major_staged_fits). `copy` false (staged,
+// neither kScaleCopy nor kSliced): the block's activations are in shared memory already.
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
-                                         bool store = true, uint8_t* staged = nullptr) {
+                                         bool store = true, uint8_t* staged = nullptr, bool copy = true) {
   constexpr int kMats = kGateUp ? 2 : 1;
   const DevExpert& ex = L.experts[item.x];
   const DevMatrix* mats[kMats];
@@ -642,6 +646,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
                   staged_row_bytes, per_column);
       asm volatile("cp.async.commit_group;" ::: "memory");
     } else if constexpr (!kSplit) {
+      if (!copy) return false;
       stage_units(staged_source<kGateUp>(L, n, ws, item, per_column), 0, K / 8, staged, staged_row_bytes, per_column);
       if (smem_scales) {
 #pragma unroll
@@ -651,6 +656,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
+    return copy;
   };
 
   float acc[kTiles][kMats][4] = {};
@@ -724,26 +730,36 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
-// The staged kernels (kTiles token tiles, 1 or 2): grid (64-row groups of the output rows, max
-// work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of the group over the whole K, the
-// item's activations staged once per block in shared memory (kTile x
+// The staged kernels (kTiles token tiles, 1 or 2): grid (groups of kPasses x 64 output rows, max
+// work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of each 64-row pass over the whole
+// K, the item's activations staged once per block in shared memory (kTile x
 // expert_major_staged_row_bytes(K) bytes per token tile, or with kSliced two buffers of
-// kExpertMajorSliceBytes that the slices take in turn). Warps past the matrix's rows compute a
-// copy of the group's first rows and store nothing: every warp reaches every staging barrier.
-// kScaleCopy, kSliced (one tile only): see run_item.
-template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1>
+// kExpertMajorSliceBytes that the slices take in turn) and read by both passes. Warps past the
+// matrix's rows in the first pass compute a copy of the group's first rows and store nothing:
+// every warp reaches every staging barrier; the second pass has none, and such warps skip it.
+// kScaleCopy, kSliced (one tile, one pass only): see run_item. The passes are two calls, not a
+// loop: around a loop ptxas gave the kernels twice the registers (150-255, spilling), with or
+// without the pass count known, keeping values of every weight format's path live across it.
+template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   int4 item;
   if (!read_item(ws, item)) return;
   const DevExpert& ex = L.experts[item.x];
   const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
-  const int group_row0 = blockIdx.x * kWarps * kRows;
+  const int group_row0 = blockIdx.x * kPasses * kExpertMajorStagedRows;
   if (group_row0 >= rows) return;
-  const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;
+  const int warp_row = static_cast<int>(threadIdx.x / kWarp) * kRows;
+  const int row0 = group_row0 + warp_row;
   static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
+  static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   run_item<kGateUp, kTiles, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
                                                         staged);
+  if constexpr (kPasses == 2) {
+    if (row0 + kExpertMajorStagedRows < rows) {
+      run_item<kGateUp, kTiles, false>(L, n, ws, item, row0 + kExpertMajorStagedRows, true, staged, false);
+    }
+  }
 }
 
 }  // namespace
@@ -760,6 +776,19 @@ cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorksp
   return cudaGetLastError();
 }
 
+// The staged kernel of kTiles token tiles whose blocks make `passes` (1 or 2) passes of 64 rows
+// over one staging (neither sliced nor copying scale codes).
+template <bool kGateUp, int kTiles>
+void launch_staged_passes(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
+                          cudaStream_t stream) {
+  const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
+  if (passes == 2) {
+    moe_expert_staged<kGateUp, false, false, kTiles, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+  } else {
+    moe_expert_staged<kGateUp, false, false, kTiles><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+  }
+}
+
 // One GEMM (gate_up or down) of a call: the staged kernel where `call` says so, else the split-K
 // kernel for its token tiles.
 cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, const ExpertMajorLaunch& call,
@@ -771,22 +800,23 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
+    const int passes = gate_up ? call.gate_up_passes : call.down_passes;
     if (tiles == 2) {
-      if (gate_up) {
+      if (gate_up) {  // one pass (expert_major_launch): at two it spilled
         moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else {
-        moe_expert_staged<false, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+        launch_staged_passes<false, 2>(passes, rows, L, n, ws, max_items, smem, stream);
       }
     } else if (gate_up && call.gate_up_sliced) {
       moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (gate_up) {
-      moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      launch_staged_passes<true, 1>(passes, rows, L, n, ws, max_items, smem, stream);
     } else if (call.down_sliced) {
       moe_expert_staged<false, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (call.down_copies_scales) {
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
-      moe_expert_staged<false><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      launch_staged_passes<false, 1>(passes, rows, L, n, ws, max_items, smem, stream);
     }
     return cudaGetLastError();
   }
@@ -802,14 +832,12 @@ cudaError_t prepare_expert_major_kernels() {
   // measured 0.71-0.83x on the qwen3 shapes' staged calls (docs/PERF.md, v3.9).
   cudaError_t err = cudaFuncSetAttribute(moe_expert_staged<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          kExpertMajorStagedMaxSmem);
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(moe_expert_staged<true, false, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kExpertMajorStaged2MaxSmem);
-  }
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(moe_expert_staged<false, false, false, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kExpertMajorStaged2MaxSmem);
-  }
+  const auto two_tiles = [&](auto kernel) {
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStaged2MaxSmem);
+  };
+  two_tiles(moe_expert_staged<true, false, false, 2>);
+  two_tiles(moe_expert_staged<false, false, false, 2>);
+  two_tiles(moe_expert_staged<false, false, false, 2, 2>);
   return err;
 }
 
