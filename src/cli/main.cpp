@@ -485,7 +485,7 @@ int main(int argc, char** argv) {
                         "forced on, or off")
       ->capture_default_str();
   bench_cmd->add_option("--staged-passes", bench.staged_passes,
-                        "CUDA staged expert-major GEMMs: 64-row passes per block over one staging of the activations, "
+                        "CUDA staged expert-major down: 64-row passes per block over one staging of the activations, "
                         "chosen per call (auto), or 1 or 2 forced")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(

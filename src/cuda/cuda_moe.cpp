@@ -133,7 +133,7 @@ std::string CudaMoe::call_config(int64_t n) const {
     return sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
   };
   return fmt::format("{} routes/item, gate_up {}, down {}", call.group,
-                     call.staged_gate_up ? staged(call.gate_up_sliced, call.gate_up_passes) : "split-K",
+                     call.staged_gate_up ? staged(call.gate_up_sliced, 1) : "split-K",
                      call.staged_down ? (call.down_copies_scales ? "staged+scales" : staged(call.down_sliced, call.down_passes))
                                       : "split-K");
 }

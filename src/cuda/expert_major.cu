@@ -776,16 +776,16 @@ cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorksp
   return cudaGetLastError();
 }
 
-// The staged kernel of kTiles token tiles whose blocks make `passes` (1 or 2) passes of 64 rows
-// over one staging (neither sliced nor copying scale codes).
-template <bool kGateUp, int kTiles>
-void launch_staged_passes(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
-                          cudaStream_t stream) {
+// The staged down of kTiles token tiles whose blocks make `passes` (1 or 2) passes of 64 rows over
+// one staging (neither sliced nor copying scale codes).
+template <int kTiles>
+void launch_staged_down(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
+                        cudaStream_t stream) {
   const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
   if (passes == 2) {
-    moe_expert_staged<kGateUp, false, false, kTiles, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    moe_expert_staged<false, false, false, kTiles, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   } else {
-    moe_expert_staged<kGateUp, false, false, kTiles><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    moe_expert_staged<false, false, false, kTiles><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   }
 }
 
@@ -800,23 +800,22 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
-    const int passes = gate_up ? call.gate_up_passes : call.down_passes;
     if (tiles == 2) {
-      if (gate_up) {  // one pass (expert_major_launch): at two it spilled
+      if (gate_up) {
         moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else {
-        launch_staged_passes<false, 2>(passes, rows, L, n, ws, max_items, smem, stream);
+        launch_staged_down<2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
       }
     } else if (gate_up && call.gate_up_sliced) {
       moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (gate_up) {
-      launch_staged_passes<true, 1>(passes, rows, L, n, ws, max_items, smem, stream);
+      moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (call.down_sliced) {
       moe_expert_staged<false, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (call.down_copies_scales) {
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
-      launch_staged_passes<false, 1>(passes, rows, L, n, ws, max_items, smem, stream);
+      launch_staged_down<1>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
     }
     return cudaGetLastError();
   }

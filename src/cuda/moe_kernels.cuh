@@ -60,7 +60,7 @@ struct DevLayer {
   int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
   int32_t blend_resident = 0;  // blocks of the loads-first blend an SM holds (blend_loads_first)
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
-  int8_t staged_passes = 0;  // 64-row passes per staged block: 1 or 2 forced, 0 chosen per call
+  int8_t staged_passes = 0;  // 64-row passes per staged down block: 1 or 2 forced, 0 chosen per call
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
@@ -184,20 +184,20 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
 
-// The 64-row passes a staged block makes over the activations it stages once (1 or 2), for a
-// GEMM of `rows` outputs whose kernel neither stages in slices nor copies scale codes: `forced`
-// where it is 1 or 2; else for down 2 where its grid then still holds 8 blocks per SM (the
-// threshold the staged kernels themselves start at), and for gate_up 1. Each pass past the first
-// reads its 64 rows' weights against activations already in shared memory: at two token tiles a
-// staged down block copies as many bytes of activations from L2 as it reads of weights (16 x K x 2
-// against 64 x K / 2 for NVFP4), and the path between L2 and the SMs, not DRAM, has bounded these
-// kernels (docs/PERF.md, "Where the gap comes from"). Down's two-pass kernels take the registers
-// of its one-pass ones (71 / 115 against 70 / 114 at one / two token tiles); gate_up's take more
-// (134 against 119 at one tile: 3 blocks per SM instead of 4; at two tiles it spilled, so that
-// kernel makes one pass only).
-inline int expert_major_staged_passes(int forced, bool gate_up, int rows, int max_items, int sm_count) {
+// The 64-row passes a staged down block makes over the activations it stages once (1 or 2), where
+// its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced` where
+// it is 1 or 2, else 2 where the grid then still holds 8 blocks per SM (the threshold the staged
+// kernels themselves start at). Each pass past the first reads its 64 rows' weights against
+// activations already in shared memory: at two token tiles a one-pass block copies as many bytes
+// of activations from L2 as it reads of weights (16 x K x 2 against 64 x K / 2 for NVFP4), and the
+// path between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where the gap
+// comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against
+// 70 / 114 at one / two token tiles). gate_up makes one pass: its activations are half its
+// weight bytes at most, and two passes took more registers (134 against 119, 3 blocks per SM
+// instead of 4; at two tiles it spilled); forced, they ran 0.88-0.98x at qwen3 N = 16-64
+// (docs/PERF.md, v3.12).
+inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count) {
   if (forced == 1 || forced == 2) return forced;
-  if (gate_up) return 1;
   const int64_t blocks = static_cast<int64_t>((rows + 2 * kExpertMajorStagedRows - 1) / (2 * kExpertMajorStagedRows)) * max_items;
   return blocks >= int64_t{8} * sm_count ? 2 : 1;
 }
@@ -237,7 +237,6 @@ struct ExpertMajorLaunch {
   bool gate_up_sliced = false;  // staged with the activations in slices (K past the whole-K limit)
   bool down_sliced = false;
   bool down_copies_scales = false;
-  int gate_up_passes = 1;
   int down_passes = 1;
 };
 
@@ -252,11 +251,8 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
-  if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) {
-    c.gate_up_passes = expert_major_staged_passes(L.staged_passes, true, L.act_stride, c.max_items, L.sm_count);
-  }
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
-    c.down_passes = expert_major_staged_passes(L.staged_passes, false, L.hidden, c.max_items, L.sm_count);
+    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count);
   }
   return c;
 }
