@@ -437,10 +437,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
                        kernel(c.staged_down, c.down_sliced, c.down_passes));
   };
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
-  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it, but in two passes 16 x 64 < 1056
-  EXPECT_EQ(choice(qwen, 8), "8 64 sS");
-  EXPECT_EQ(choice(qwen, 9), "8 72 s2");  // 16 x 72 blocks of two passes: down makes two
-  EXPECT_EQ(choice(qwen, 64), "8 193 S2");
+  EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
+  // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under it
+  EXPECT_EQ(choice(qwen, 64), "8 193 SS");
+  EXPECT_EQ(choice(qwen, 128), "8 257 S2");   // 16 x 257 = 4112
   EXPECT_EQ(choice(qwen, 256), "16 257 S2");  // 16 routes per expert: two token tiles, staged
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
@@ -460,15 +460,22 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(two_passes, 64), "8 193 S2");
   EXPECT_EQ(choice(two_passes, 256), "16 257 S2");
   EXPECT_EQ(choice(two_passes, 1), "8 8 ss");  // forcing passes stages nothing
+  // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
+  cuda::DevLayer next;
+  next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
+  next.sm_count = 132;
+  EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
+  EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
+  EXPECT_EQ(choice(next, 256), "8 866 S2");
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
-  // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down (H 7168: 56 x 36 blocks of two
-  // passes) makes two where it does not copy NVFP4 scale codes, which it does only in a layer with
-  // NVFP4 experts
-  EXPECT_EQ(choice(ds, 4), "8 36 s2");
+  // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
+  // blocks, two at 56 x 546 where it does not copy NVFP4 scale codes, which it does only in a
+  // layer with NVFP4 experts
+  EXPECT_EQ(choice(ds, 4), "8 36 sS");
   EXPECT_EQ(choice(ds, 256), "8 546 s2");
   ds.nvfp4 = true;
   EXPECT_EQ(choice(ds, 4), "8 36 sS");

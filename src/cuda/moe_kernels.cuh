@@ -186,20 +186,26 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 
 // The 64-row passes a staged down block makes over the activations it stages once (1 or 2), where
 // its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced` where
-// it is 1 or 2, else 2 where the grid then still holds 8 blocks per SM (the threshold the staged
-// kernels themselves start at). Each pass past the first reads its 64 rows' weights against
-// activations already in shared memory: at two token tiles a one-pass block copies as many bytes
-// of activations from L2 as it reads of weights (16 x K x 2 against 64 x K / 2 for NVFP4), and the
-// path between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where the gap
-// comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against
-// 70 / 114 at one / two token tiles). gate_up makes one pass: its activations are half its
-// weight bytes at most, and two passes took more registers (134 against 119, 3 blocks per SM
-// instead of 4; at two tiles it spilled); forced, they ran 0.88-0.98x at qwen3 N = 16-64
-// (docs/PERF.md, v3.12).
+// it is 1 or 2, else 2 where the two-pass grid (by the launch's max_items) still holds
+// kExpertMajorTwoPassBlocksPerSm blocks per SM. Each pass past the first reads its 64 rows'
+// weights against activations already in shared memory: a one-pass block copies 8 or 16 token
+// rows of K bf16 from L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the weights),
+// and the path between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where
+// the gap comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115
+// against 70 / 114 at one / two token tiles). gate_up makes one pass: its activations are half
+// its weight bytes at most, and two passes took more registers (134 against 119, 3 blocks per SM
+// instead of 4; at two tiles it spilled); forced, they ran 0.88-0.98x at qwen3 N = 16-64.
+//
+// Measured on the H200 (docs/PERF.md v3.12; two passes against one, both routings): 1.01-1.05x
+// wherever the two-pass grid held 28 blocks per SM or more (qwen3-30b N = 128-256, qwen3-next
+// N = 32-256), 0.97-1.03x below it (qwen3-30b N = 16-64, qwen3-next N = 4-16), where the same
+// grid gained in one routing and lost in the other. 28 is four waves of the 7 one-tile blocks an
+// SM holds at 71 registers.
+inline constexpr int kExpertMajorTwoPassBlocksPerSm = 28;
 inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count) {
   if (forced == 1 || forced == 2) return forced;
   const int64_t blocks = static_cast<int64_t>((rows + 2 * kExpertMajorStagedRows - 1) / (2 * kExpertMajorStagedRows)) * max_items;
-  return blocks >= int64_t{8} * sm_count ? 2 : 1;
+  return blocks >= int64_t{kExpertMajorTwoPassBlocksPerSm} * sm_count ? 2 : 1;
 }
 
 // Whether both GEMMs of an expert-major call may run the staged kernels with their activations
