@@ -30,7 +30,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"

@@ -233,8 +233,8 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
 // memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts), and
-// the 64-row passes of each staged GEMM's blocks (expert_major_staged_passes; 1 for the sliced and
-// scale-copying kernels, and for the two-tile gate_up, which would spill at two). The launcher and the bench's per-call config both read it.
+// the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
+// scale-copying kernels). The launcher and the bench's per-call config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
