@@ -575,6 +575,24 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   }
 }
 
+// The grouping of one token's routes by the warp that selected them (its choices in `ids`,
+// written by that warp): a token chooses an expert at most once, so each route on an expert run
+// here is a work item of its own, in route order. No counting, scans or block barriers, which
+// group_routes spends on any n.
+__device__ __forceinline__ void group_one_token(const DevLayer& L, const DevWorkspace& ws, const int* ids) {
+  __syncwarp();  // the choices in `ids` were written by other lanes of this warp
+  const int lane = threadIdx.x % kWarp;
+  const int routes = L.top_k + (L.has_shared ? 1 : 0);  // <= 32 (moe_route_warps)
+  const int e = lane < routes ? route_table_index(L, ws, 1, lane, ids) : -1;
+  const uint32_t kept = __ballot_sync(0xFFFFFFFFu, e >= 0);
+  const int slot = __popc(kept & ((1u << lane) - 1u));
+  if (e >= 0) {
+    ws.items[slot] = make_int4(e, slot, 1, 0);
+    ws.route_list[slot] = lane;
+  }
+  if (lane == 0) *ws.num_items = __popc(kept);
+}
+
 // Grid: 1 block. The grouping alone, after the block-per-token route kernel.
 constexpr int kGroupThreads = 1024;
 __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
@@ -585,7 +603,7 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 // Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) the last block to
 // finish groups the routes of all tokens. One launch, no block-wide barrier inside a token's
 // selection. A grid of one block (n <= 8) groups at once, from its choices in shared memory: no
-// fence, no counter, no L2 round trip for the ids.
+// fence, no counter, no L2 round trip for the ids; one token, by its own warp (group_one_token).
 constexpr int kRouteWarps = 8;
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
@@ -597,6 +615,10 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLay
   const bool one_block = gridDim.x == 1;
   if (t < n) route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs, one_block ? block_ids : nullptr);
   if (group == 0) return;
+  if (n == 1 && L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {  // one token: its warp groups its routes
+    if (warp == 0) group_one_token(L, ws, block_ids);
+    return;
+  }
   if (one_block) {
     __syncthreads();
     group_routes<kRouteWarps * kWarp>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
