@@ -136,9 +136,10 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
 // routes make a full item and a partial one; N = 32: 16 routes per expert on average); elsewhere,
 // and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
-// The staged calls run twice: down blocks of one pass of 64 rows, and of two passes over one
-// staging (except the sliced and scale-copying kernels, which make one; gate_up always one). The
-// ragged shape's 272 down rows leave the last block a partial second pass (16 rows).
+// The staged calls run three times: down blocks of one pass of 64 rows, of two and of four passes
+// over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
+// one). The ragged shape's 272 down rows leave the last two-pass block a partial second pass (16
+// rows) and the last four-pass block a partial first pass and none after it.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -173,7 +174,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
         std::vector<float> split;
-        for (const int passes : {0, 1, 2}) {  // 0: split-K
+        for (const int passes : {0, 1, 2, 4}) {  // 0: split-K; else down's passes, forced
           const bool staged = passes > 0;
           std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
               layer, n,
@@ -196,16 +197,16 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
               << what << ": " << config;
           EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
               << what << ": " << config;
-          // Two passes wherever a staged kernel can make them.
+          // The forced passes wherever a staged down can make them.
           const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced &&
                                   cuda::expert_major_stages_scales(static_cast<int>(d.intermediate), 1);
-          EXPECT_EQ(config.find("gate_up staged x2"), std::string::npos) << what << ": " << config;
-          if (staged && group != cuda::kExpertMajorGroup) {
-            EXPECT_EQ(config.find("down staged x2") != std::string::npos,
-                      passes == 2 && !(group == 8 && down_sliced) && !scale_copy)
+          EXPECT_EQ(config.find("gate_up staged x"), std::string::npos) << what << ": " << config;
+          if (staged && group != cuda::kExpertMajorGroup && passes > 1) {
+            EXPECT_EQ(config.find(fmt::format("down staged x{}", passes)) != std::string::npos,
+                      !(group == 8 && down_sliced) && !scale_copy)
                 << what << ": " << config;
           } else {
-            EXPECT_EQ(config.find(" x2"), std::string::npos) << what << ": " << config;
+            EXPECT_EQ(config.find(" x"), std::string::npos) << what << ": " << config;
           }
           ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
           // bf16 activations and operands: the path's tolerance in the backend-ops tests.
@@ -220,7 +221,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 4 * 6 * 3);
+  EXPECT_EQ(checked, 6 * 4 * 6 * 4);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -429,16 +430,17 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
-    // s: split-K, S: staged, L: staged in slices; 2: staged in blocks of two 64-row passes
+    // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes
     const auto kernel = [](bool staged, bool sliced, int passes) {
-      return sliced ? "L" : (staged ? (passes == 2 ? "2" : "S") : "s");
+      return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : "s");
     };
     return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
                        kernel(c.staged_down, c.down_sliced, c.down_passes));
   };
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
-  // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under it
+  // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
+  // it; four from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
   EXPECT_EQ(choice(qwen, 128), "8 257 S2");   // 16 x 257 = 4112
   EXPECT_EQ(choice(qwen, 256), "16 257 S2");  // 16 routes per expert: two token tiles, staged
@@ -452,6 +454,8 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
   forced_on.staged_passes = 2;  // forced: however small the grid
   EXPECT_EQ(choice(forced_on, 1), "8 8 S2");
+  forced_on.staged_passes = 4;
+  EXPECT_EQ(choice(forced_on, 1), "8 8 S4");
   cuda::DevLayer one_pass = qwen;
   one_pass.staged_passes = 1;
   EXPECT_EQ(choice(one_pass, 256), "16 257 SS");
@@ -459,24 +463,34 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   two_passes.staged_passes = 2;
   EXPECT_EQ(choice(two_passes, 64), "8 193 S2");
   EXPECT_EQ(choice(two_passes, 256), "16 257 S2");
+  cuda::DevLayer four_passes = qwen;
+  four_passes.staged_passes = 4;
+  EXPECT_EQ(choice(four_passes, 64), "8 193 S4");
+  EXPECT_EQ(choice(four_passes, 256), "16 257 S4");
+  two_passes = four_passes;
+  two_passes.staged_passes = 2;  // forced below the auto choice too
+  EXPECT_EQ(choice(two_passes, 256), "16 257 S2");
   EXPECT_EQ(choice(two_passes, 1), "8 8 ss");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
-  EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
-  EXPECT_EQ(choice(next, 256), "8 866 S2");
+  EXPECT_EQ(choice(next, 32), "8 352 S4");  // 8 x 352 = 2816 four-pass blocks
+  EXPECT_EQ(choice(next, 256), "8 866 S4");
+  next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
+  EXPECT_EQ(choice(next, 32), "8 352 S2");
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
-  // blocks, two at 56 x 546 where it does not copy NVFP4 scale codes, which it does only in a
-  // layer with NVFP4 experts
+  // blocks, two at 56 x 72 (N = 8), four at 28 x 546 where it does not copy NVFP4 scale codes,
+  // which it does only in a layer with NVFP4 experts
   EXPECT_EQ(choice(ds, 4), "8 36 sS");
-  EXPECT_EQ(choice(ds, 256), "8 546 s2");
+  EXPECT_EQ(choice(ds, 8), "8 72 s2");
+  EXPECT_EQ(choice(ds, 256), "8 546 s4");
   ds.nvfp4 = true;
   EXPECT_EQ(choice(ds, 4), "8 36 sS");
   EXPECT_EQ(choice(ds, 256), "8 546 sS");
@@ -484,10 +498,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
-  ds_forced.staged_passes = 2;  // sliced and scale-copying kernels make one pass whatever is forced
+  ds_forced.staged_passes = 4;  // sliced and scale-copying kernels make one pass whatever is forced
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
   ds_forced.nvfp4 = false;
-  EXPECT_EQ(choice(ds_forced, 1), "8 9 L2");
+  EXPECT_EQ(choice(ds_forced, 1), "8 9 L4");
 }
 
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,

@@ -40,7 +40,7 @@ struct BenchConfig {
   // CUDA expert-major GEMMs at 8 routes per work item: force (true) or forbid (false) the staged
   // kernels (CudaMoeOptions::staged); nullopt chooses per call.
   std::optional<bool> staged;
-  // 64-row passes per staged down block: 1 or 2 forced (CudaMoeOptions::staged_passes).
+  // 64-row passes per staged down block: 1, 2 or 4 forced (CudaMoeOptions::staged_passes).
   std::optional<int> staged_passes;
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported

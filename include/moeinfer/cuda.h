@@ -34,7 +34,7 @@ struct CudaMoeOptions {
   // wherever it was measured, docs/PERF.md v3.11).
   std::optional<bool> staged = std::nullopt;
   // The staged expert-major down (neither sliced nor copying scale codes): the 64-row passes each
-  // block makes over the activations it stages once, 1 or 2 forced; nullopt chooses per call.
+  // block makes over the activations it stages once, 1, 2 or 4 forced; nullopt chooses per call.
   std::optional<int> staged_passes = std::nullopt;
 };
 
@@ -59,7 +59,7 @@ class CudaMoe {
   // The kernels a call of n tokens launches, one line: the path, and for expert-major the routes
   // per work item and each GEMM's kernel ("8 routes/item, gate_up split-K, down staged+scales";
   // "+scales": NVFP4 scale codes staged in shared memory too; "+slices": the activations staged
-  // a slice at a time; "staged x2": each down block makes 2 passes of 64 rows over one staging).
+  // a slice at a time; "staged x2", "x4": each block makes 2 or 4 passes of 64 rows over one staging).
   std::string call_config(int64_t n) const;
   const LayerDesc& desc() const;
   int rank() const;   // CudaMoeOptions::rank

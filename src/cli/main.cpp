@@ -207,11 +207,11 @@ int bench_command(const BenchOptions& opt) {
   } else if (opt.staged != "auto") {
     return fail(invalid_argument(fmt::format("--staged: '{}' is not auto, on or off", opt.staged)));
   }
-  if (opt.staged_passes == "1" || opt.staged_passes == "2") {
+  if (opt.staged_passes == "1" || opt.staged_passes == "2" || opt.staged_passes == "4") {
     if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged-passes applies to the cuda backend"));
     cfg.staged_passes = opt.staged_passes[0] - '0';
   } else if (opt.staged_passes != "auto") {
-    return fail(invalid_argument(fmt::format("--staged-passes: '{}' is not auto, 1 or 2", opt.staged_passes)));
+    return fail(invalid_argument(fmt::format("--staged-passes: '{}' is not auto, 1, 2 or 4", opt.staged_passes)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -486,7 +486,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--staged-passes", bench.staged_passes,
                         "CUDA staged expert-major down: 64-row passes per block over one staging of the activations, "
-                        "chosen per call (auto), or 1 or 2 forced")
+                        "chosen per call (auto), or 1, 2 or 4 forced")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");

@@ -155,8 +155,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
                                                  const ProgressFn& progress) {
   MOEINFER_RETURN_IF_ERROR(layer.check());
   const LayerDesc& d = layer.desc;
-  if (options.staged_passes && *options.staged_passes != 1 && *options.staged_passes != 2) {
-    return invalid_argument(fmt::format("staged passes: {} (1 or 2)", *options.staged_passes));
+  if (options.staged_passes && *options.staged_passes != 1 && *options.staged_passes != 2 && *options.staged_passes != 4) {
+    return invalid_argument(fmt::format("staged passes: {} (1, 2 or 4)", *options.staged_passes));
   }
   if (options.ranks < 1 || options.rank < 0 || options.rank >= options.ranks) {
     return invalid_argument(fmt::format("expert parallelism: rank {} of {} ranks", options.rank, options.ranks));

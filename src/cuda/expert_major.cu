@@ -566,6 +566,27 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
   }
 }
 
+// Whether every weight run of the main loop over an NVFP4 matrix starts 16-byte aligned (and its
+// scale codes 2-byte aligned): run_item's aligned16.
+__device__ __forceinline__ bool nvfp4_aligned16(const DevMatrix& m) {
+  return (m.cols / 2) % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
+}
+
+// The K loop a work item's matrix takes (run_item's kPath): chosen inside run_item by default
+// (kPathAny), or fixed by a caller that runs several items of one expert (the four-pass staged
+// down), so that its loop holds one format's code.
+enum : int { kPathAny = -1, kPathNvfp4Aligned, kPathNvfp4, kPathFp8Block, kPathFp8, kPathBf16 };
+
+__device__ __forceinline__ int weight_path(const DevMatrix& m) {
+  const WeightFormat format = static_cast<WeightFormat>(m.format);
+  if (format == WeightFormat::kNVFP4) return nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4;
+  if (format == WeightFormat::kFP8) {
+    return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128) ? kPathFp8Block : kPathFp8;
+  }
+  return kPathBf16;
+}
+
 // The MMAs of one work item (its routes, 16 rows of its expert from row0) and their epilogue.
 // kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory;
 // otherwise each warp has its own rows (stored where `store`) and the activations are staged.
@@ -573,8 +594,9 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
 // staged a slice at a time (the layer's K is past expert_major_staged_fits). `copy` false (staged,
-// neither kScaleCopy nor kSliced): the block's activations are in shared memory already.
-template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false>
+// neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
+// the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
                                          bool store = true, uint8_t* staged = nullptr, bool copy = true) {
   constexpr int kMats = kGateUp ? 2 : 1;
@@ -659,7 +681,18 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   };
 
   float acc[kTiles][kMats][4] = {};
-  switch (format) {
+  static_assert(kPath == kPathAny || (!kScaleCopy && !kSliced));
+  if constexpr (kPath == kPathNvfp4Aligned) {
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+  } else if constexpr (kPath == kPathNvfp4) {
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false>(rows, K, tiles, stage, acc);
+  } else if constexpr (kPath == kPathFp8Block) {
+    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+  } else if constexpr (kPath == kPathFp8) {
+    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+  } else if constexpr (kPath == kPathBf16) {
+    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+  } else switch (format) {
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
         if (smem_scales) {  // implies aligned16
@@ -729,16 +762,36 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
+// A staged down block's kPasses passes of 64 rows from this warp's row0 (group row + 16 w), each
+// over the activations the first one staged, all on the K loop kPath. A warp past the rows
+// computes a copy of the group's first rows in the first pass, storing nothing, so that it
+// reaches the staging barrier, and skips the rest.
+template <int kTiles, int kPasses, int kPath>
+__device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int rows,
+                                                   int row0, uint8_t* staged) {
+  const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
+  run_item<false, kTiles, false, false, false, kPath>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
+                                                      staged);
+#pragma unroll 1
+  for (int pass = 1; pass < kPasses; ++pass) {
+    const int pass_row0 = row0 + pass * kExpertMajorStagedRows;
+    if (pass_row0 >= rows) break;
+    run_item<false, kTiles, false, false, false, kPath>(L, n, ws, item, pass_row0, true, staged, false);
+  }
+}
+
 // The staged kernels (kTiles token tiles, 1 or 2): grid (groups of kPasses x 64 output rows, max
 // work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of each 64-row pass over the whole
 // K, the item's activations staged once per block in shared memory (kTile x
 // expert_major_staged_row_bytes(K) bytes per token tile, or with kSliced two buffers of
 // kExpertMajorSliceBytes that the slices take in turn) and read by both passes. Warps past the
 // matrix's rows in the first pass compute a copy of the group's first rows and store nothing:
-// every warp reaches every staging barrier; the second pass has none, and such warps skip it.
-// kScaleCopy, kSliced (one tile, one pass only): see run_item. The passes are two calls, not a
-// loop: around a loop ptxas gave the kernels twice the registers (150-255, spilling), with or
-// without the pass count known, keeping values of every weight format's path live across it.
+// every warp reaches every staging barrier; the later passes have none, and such warps skip them.
+// kScaleCopy, kSliced (one tile, one pass only): see run_item. Down only past two passes. Two
+// passes are two calls of run_item, each choosing its K loop (71 registers at one token tile,
+// against 79 with the loop chosen once for the block); four choose it once per block (weight_path)
+// and loop over the passes on it: around run_item's own choice a loop took twice the registers
+// (150-255, spilling), ptxas keeping values of every format's loop live across the passes.
 template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
@@ -752,11 +805,22 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, 
   const int row0 = group_row0 + warp_row;
   static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
-  run_item<kGateUp, kTiles, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
-                                                        staged);
-  if constexpr (kPasses == 2) {
-    if (row0 + kExpertMajorStagedRows < rows) {
-      run_item<kGateUp, kTiles, false>(L, n, ws, item, row0 + kExpertMajorStagedRows, true, staged, false);
+  static_assert(kPasses <= 2 || !kGateUp);
+  if constexpr (kPasses <= 2) {
+    run_item<kGateUp, kTiles, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
+                                                          staged);
+    if constexpr (kPasses == 2) {
+      if (row0 + kExpertMajorStagedRows < rows) {
+        run_item<kGateUp, kTiles, false>(L, n, ws, item, row0 + kExpertMajorStagedRows, true, staged, false);
+      }
+    }
+  } else {
+    switch (weight_path(ex.down)) {
+      case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned>(L, n, ws, item, rows, row0, staged); break;
+      case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4>(L, n, ws, item, rows, row0, staged); break;
+      case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block>(L, n, ws, item, rows, row0, staged); break;
+      case kPathFp8: staged_down_passes<kTiles, kPasses, kPathFp8>(L, n, ws, item, rows, row0, staged); break;
+      default: staged_down_passes<kTiles, kPasses, kPathBf16>(L, n, ws, item, rows, row0, staged); break;
     }
   }
 }
@@ -775,13 +839,15 @@ cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorksp
   return cudaGetLastError();
 }
 
-// The staged down of kTiles token tiles whose blocks make `passes` (1 or 2) passes of 64 rows over
-// one staging (neither sliced nor copying scale codes).
+// The staged down of kTiles token tiles whose blocks make `passes` (1, 2 or 4) passes of 64 rows
+// over one staging (neither sliced nor copying scale codes).
 template <int kTiles>
 void launch_staged_down(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
                         cudaStream_t stream) {
   const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
-  if (passes == 2) {
+  if (passes == 4) {
+    moe_expert_staged<false, false, false, kTiles, 4><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+  } else if (passes == 2) {
     moe_expert_staged<false, false, false, kTiles, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   } else {
     moe_expert_staged<false, false, false, kTiles><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
@@ -836,6 +902,7 @@ cudaError_t prepare_expert_major_kernels() {
   two_tiles(moe_expert_staged<true, false, false, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 2>);
+  two_tiles(moe_expert_staged<false, false, false, 2, 4>);
   return err;
 }
 

@@ -60,7 +60,7 @@ struct DevLayer {
   int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
   int32_t blend_resident = 0;  // blocks of the loads-first blend an SM holds (blend_loads_first)
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
-  int8_t staged_passes = 0;  // 64-row passes per staged down block: 1 or 2 forced, 0 chosen per call
+  int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
@@ -184,28 +184,37 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
 
-// The 64-row passes a staged down block makes over the activations it stages once (1 or 2), where
-// its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced` where
-// it is 1 or 2, else 2 where the two-pass grid (by the launch's max_items) still holds
-// kExpertMajorTwoPassBlocksPerSm blocks per SM. Each pass past the first reads its 64 rows'
-// weights against activations already in shared memory: a one-pass block copies 8 or 16 token
-// rows of K bf16 from L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the weights),
-// and the path between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where
-// the gap comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115
-// against 70 / 114 at one / two token tiles). gate_up makes one pass: its activations are half
-// its weight bytes at most, and two passes took more registers (134 against 119, 3 blocks per SM
-// instead of 4; at two tiles it spilled); forced, they ran 0.88-0.98x at qwen3 N = 16-64.
+// The 64-row passes a staged down block makes over the activations it stages once (1, 2 or 4),
+// where its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced`
+// where it is 1, 2 or 4, else 4 where the four-pass grid (by the launch's max_items) still holds
+// kExpertMajorFourPassBlocksPerSm blocks per SM, else 2 where the two-pass grid holds
+// kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows' weights against
+// activations already in shared memory: a one-pass block copies 8 or 16 token rows of K bf16 from
+// L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the weights), and the path
+// between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where the gap comes
+// from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against 70 / 114
+// at one / two token tiles); the four-pass ones choose the expert's K loop once per block, outside
+// the passes, and take 64 / 114. gate_up makes one pass: its activations are half its weight bytes
+// at most, and forced to two or four passes (128 / 123 registers at one tile, 168 at two) it ran
+// 0.75-1.00x at qwen3 N = 16-256 (docs/PERF.md v3.13).
 //
-// Measured on the H200 (docs/PERF.md v3.12; two passes against one, both routings): 1.01-1.05x
+// Measured on the H200, both routings: two passes against one (docs/PERF.md v3.12) 1.01-1.05x
 // wherever the two-pass grid held 28 blocks per SM or more (qwen3-30b N = 128-256, qwen3-next
 // N = 32-256), 0.97-1.03x below it (qwen3-30b N = 16-64, qwen3-next N = 4-16), where the same
 // grid gained in one routing and lost in the other. 28 is four waves of the 7 one-tile blocks an
-// SM holds at 71 registers.
+// SM holds at 71 registers. Four against two (v3.13): 0.99-1.02x at qwen3-next N = 32-256, whose
+// four-pass grids hold 21-52 blocks per SM (ten of those twelve rows 1.01-1.02x); 0.99-1.01x at
+// qwen3-30b N = 128-256 (16).
 inline constexpr int kExpertMajorTwoPassBlocksPerSm = 28;
+inline constexpr int kExpertMajorFourPassBlocksPerSm = 20;
 inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count) {
-  if (forced == 1 || forced == 2) return forced;
-  const int64_t blocks = static_cast<int64_t>((rows + 2 * kExpertMajorStagedRows - 1) / (2 * kExpertMajorStagedRows)) * max_items;
-  return blocks >= int64_t{kExpertMajorTwoPassBlocksPerSm} * sm_count ? 2 : 1;
+  if (forced == 1 || forced == 2 || forced == 4) return forced;
+  const auto blocks_per_sm_at_least = [&](int passes, int per_sm) {
+    const int64_t rows_per_block = int64_t{passes} * kExpertMajorStagedRows;
+    return (rows + rows_per_block - 1) / rows_per_block * max_items >= int64_t{per_sm} * sm_count;
+  };
+  if (blocks_per_sm_at_least(4, kExpertMajorFourPassBlocksPerSm)) return 4;
+  return blocks_per_sm_at_least(2, kExpertMajorTwoPassBlocksPerSm) ? 2 : 1;
 }
 
 // Whether both GEMMs of an expert-major call may run the staged kernels with their activations
