@@ -440,10 +440,13 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
-  // it; four from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
+  // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
   EXPECT_EQ(choice(qwen, 128), "8 257 S2");   // 16 x 257 = 4112
   EXPECT_EQ(choice(qwen, 256), "16 257 S2");  // 16 routes per expert: two token tiles, staged
+  qwen.nvfp4 = true;
+  EXPECT_EQ(choice(qwen, 128), "8 257 S2");
+  EXPECT_EQ(choice(qwen, 256), "16 257 S2");
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
@@ -476,7 +479,11 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
-  EXPECT_EQ(choice(next, 32), "8 352 S4");  // 8 x 352 = 2816 four-pass blocks
+  EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
+  EXPECT_EQ(choice(next, 256), "8 866 S2");
+  next.nvfp4 = true;  // four passes: 8 x 352 = 2816 four-pass blocks
+  EXPECT_EQ(choice(next, 16), "8 176 SS");
+  EXPECT_EQ(choice(next, 32), "8 352 S4");
   EXPECT_EQ(choice(next, 256), "8 866 S4");
   next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
   EXPECT_EQ(choice(next, 32), "8 352 S2");
@@ -486,11 +493,11 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
-  // blocks, two at 56 x 72 (N = 8), four at 28 x 546 where it does not copy NVFP4 scale codes,
-  // which it does only in a layer with NVFP4 experts
+  // blocks, two at 56 x 72 (N = 8) and up, where it does not copy NVFP4 scale codes, which it does
+  // only in a layer with NVFP4 experts (and so makes no four passes)
   EXPECT_EQ(choice(ds, 4), "8 36 sS");
   EXPECT_EQ(choice(ds, 8), "8 72 s2");
-  EXPECT_EQ(choice(ds, 256), "8 546 s4");
+  EXPECT_EQ(choice(ds, 256), "8 546 s2");
   ds.nvfp4 = true;
   EXPECT_EQ(choice(ds, 4), "8 36 sS");
   EXPECT_EQ(choice(ds, 256), "8 546 sS");

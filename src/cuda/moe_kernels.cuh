@@ -186,9 +186,9 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 
 // The 64-row passes a staged down block makes over the activations it stages once (1, 2 or 4),
 // where its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced`
-// where it is 1, 2 or 4, else 4 where the four-pass grid (by the launch's max_items) still holds
-// kExpertMajorFourPassBlocksPerSm blocks per SM, else 2 where the two-pass grid holds
-// kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows' weights against
+// where it is 1, 2 or 4, else 4 in a layer with NVFP4 experts where the four-pass grid (by the
+// launch's max_items) still holds kExpertMajorFourPassBlocksPerSm blocks per SM, else 2 where the
+// two-pass grid holds kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows' weights against
 // activations already in shared memory: a one-pass block copies 8 or 16 token rows of K bf16 from
 // L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the weights), and the path
 // between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where the gap comes
@@ -202,18 +202,20 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // wherever the two-pass grid held 28 blocks per SM or more (qwen3-30b N = 128-256, qwen3-next
 // N = 32-256), 0.97-1.03x below it (qwen3-30b N = 16-64, qwen3-next N = 4-16), where the same
 // grid gained in one routing and lost in the other. 28 is four waves of the 7 one-tile blocks an
-// SM holds at 71 registers. Four against two (v3.13): 0.99-1.02x at qwen3-next N = 32-256, whose
-// four-pass grids hold 21-52 blocks per SM (ten of those twelve rows 1.01-1.02x); 0.99-1.01x at
-// qwen3-30b N = 128-256 (16).
+// SM holds at 71 registers. Four against two (v3.13), NVFP4: 0.99-1.02x at qwen3-next N = 32-256,
+// whose four-pass grids hold 21-52 blocks per SM (ten of those twelve rows 1.01-1.02x); 0.99-1.01x
+// at qwen3-30b N = 128-256 (16). FP8 (block-128) lost at the same grids: qwen3-next N = 32-256
+// 0.94-0.97x, DeepSeek-V3 N = 16-64 0.96-0.98x. Its weights are twice NVFP4's bytes for the same
+// staging, so a fourth of the stagings saves half as much against them, for half the blocks.
 inline constexpr int kExpertMajorTwoPassBlocksPerSm = 28;
 inline constexpr int kExpertMajorFourPassBlocksPerSm = 20;
-inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count) {
+inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count, bool nvfp4) {
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   const auto blocks_per_sm_at_least = [&](int passes, int per_sm) {
     const int64_t rows_per_block = int64_t{passes} * kExpertMajorStagedRows;
     return (rows + rows_per_block - 1) / rows_per_block * max_items >= int64_t{per_sm} * sm_count;
   };
-  if (blocks_per_sm_at_least(4, kExpertMajorFourPassBlocksPerSm)) return 4;
+  if (nvfp4 && blocks_per_sm_at_least(4, kExpertMajorFourPassBlocksPerSm)) return 4;
   return blocks_per_sm_at_least(2, kExpertMajorTwoPassBlocksPerSm) ? 2 : 1;
 }
 
@@ -267,7 +269,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
-    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count);
+    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4);
   }
   return c;
 }
