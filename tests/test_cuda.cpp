@@ -138,8 +138,8 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
 // The staged calls run three times: down blocks of one pass of 64 rows, of two and of four passes
 // over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
-// one). The ragged shape's 272 down rows leave the last two-pass block a partial second pass (16
-// rows) and the last four-pass block a partial first pass and none after it.
+// one). The ragged shape's 272 down rows leave the last two- and four-pass blocks a partial first
+// pass (16 rows) and no other; at 384 rows the last four-pass block makes two of its four passes.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,

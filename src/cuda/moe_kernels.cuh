@@ -188,11 +188,11 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // where its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced`
 // where it is 1, 2 or 4, else 4 in a layer with NVFP4 experts where the four-pass grid (by the
 // launch's max_items) still holds kExpertMajorFourPassBlocksPerSm blocks per SM, else 2 where the
-// two-pass grid holds kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows' weights against
-// activations already in shared memory: a one-pass block copies 8 or 16 token rows of K bf16 from
-// L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the weights), and the path
-// between L2 and the SMs, not DRAM, has bounded these kernels (docs/PERF.md, "Where the gap comes
-// from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against 70 / 114
+// two-pass grid holds kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows'
+// weights against activations already in shared memory: a one-pass block copies 8 or 16 token
+// rows of K bf16 from L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the
+// weights), and the path between L2 and the SMs, not DRAM, has bounded these kernels
+// (docs/PERF.md, "Where the gap comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against 70 / 114
 // at one / two token tiles); the four-pass ones choose the expert's K loop once per block, outside
 // the passes, and take 64 / 114. gate_up makes one pass: its activations are half its weight bytes
 // at most, and forced to two or four passes (128 / 123 registers at one tile, 168 at two) it ran
