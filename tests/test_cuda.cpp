@@ -452,28 +452,21 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   forced_off.staged = 0;
   EXPECT_EQ(choice(forced_off, 64), "8 193 ss");
   EXPECT_EQ(choice(forced_off, 256), "32 193 ss");
+  const auto passes_forced = [](cuda::DevLayer L, int passes) {
+    L.staged_passes = static_cast<int8_t>(passes);
+    return L;
+  };
   cuda::DevLayer forced_on = qwen;
   forced_on.staged = 1;
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
-  forced_on.staged_passes = 2;  // forced: however small the grid
-  EXPECT_EQ(choice(forced_on, 1), "8 8 S2");
-  forced_on.staged_passes = 4;
-  EXPECT_EQ(choice(forced_on, 1), "8 8 S4");
-  cuda::DevLayer one_pass = qwen;
-  one_pass.staged_passes = 1;
-  EXPECT_EQ(choice(one_pass, 256), "16 257 SS");
-  cuda::DevLayer two_passes = qwen;
-  two_passes.staged_passes = 2;
-  EXPECT_EQ(choice(two_passes, 64), "8 193 S2");
-  EXPECT_EQ(choice(two_passes, 256), "16 257 S2");
-  cuda::DevLayer four_passes = qwen;
-  four_passes.staged_passes = 4;
-  EXPECT_EQ(choice(four_passes, 64), "8 193 S4");
-  EXPECT_EQ(choice(four_passes, 256), "16 257 S4");
-  two_passes = four_passes;
-  two_passes.staged_passes = 2;  // forced below the auto choice too
-  EXPECT_EQ(choice(two_passes, 256), "16 257 S2");
-  EXPECT_EQ(choice(two_passes, 1), "8 8 ss");  // forcing passes stages nothing
+  EXPECT_EQ(choice(passes_forced(forced_on, 2), 1), "8 8 S2");  // forced: however small the grid
+  EXPECT_EQ(choice(passes_forced(forced_on, 4), 1), "8 8 S4");
+  EXPECT_EQ(choice(passes_forced(qwen, 1), 256), "16 257 SS");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 64), "8 193 S2");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 S2");
+  EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
+  EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 S4");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 ss");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
@@ -485,6 +478,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   EXPECT_EQ(choice(next, 32), "8 352 S4");
   EXPECT_EQ(choice(next, 256), "8 866 S4");
+  EXPECT_EQ(choice(passes_forced(next, 2), 256), "8 866 S2");  // forced below the auto choice too
   next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
   EXPECT_EQ(choice(next, 32), "8 352 S2");
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
