@@ -398,17 +398,19 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
 
 // This warp's K loop. kSplit: the block's 4 warps share one row tile, warp w taking full chunks
 // w, w+4, ... and tail steps w, w+4, ...; otherwise (the staged kernels) the warp runs every
-// chunk and tail step of its own rows. Chunks go through two buffers that swap roles, each loaded
-// one chunk ahead of its MMAs (two chunks of loads in flight per warp).
+// chunk and tail step of its own rows. Chunks go through kAhead + 1 buffers in turn, each loaded
+// kAhead chunks ahead of its MMAs (kAhead + 1 chunks of loads in flight per warp).
 // Staged kernels: `stage` starts the copies of the block's activations (and with kSmemScales its
-// NVFP4 scale codes) after the first chunk's weights are requested, and the loop waits for them
-// there, unless `stage` returns false (a later row pass over activations already staged).
-// kSliced: the staged loop of mma_rows_sliced instead.
-template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, typename Stage>
+// NVFP4 scale codes) after the first kAhead chunks' weights are requested, and the loop waits for
+// them there, unless `stage` returns false (a later row pass over activations already staged).
+// kSliced: the staged loop of mma_rows_sliced instead (one chunk ahead).
+template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, int kAhead,
+          typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
-  static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16));
-  static_assert(!kSliced || (!kSplit && !kSmemScales));
+  static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16 && kAhead == 1));
+  static_assert(!kSliced || (!kSplit && !kSmemScales && kAhead == 1));
+  static_assert(kAhead == 1 || kAhead == 2);
   if constexpr (kSliced) {
     mma_rows_sliced<F, kMats, kTiles, kAligned16>(rows, K, tiles, stage, acc);
     return;
@@ -421,8 +423,13 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   const int chunks = K / (4 * V);
   const int mine = chunks > way ? (chunks - way + kWays - 1) / kWays : 0;
   const unsigned first = way * 4 * V;
-  Chunk<F, V, kMats> even, odd;
-  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first, even);
+  // Named buffers, each loop step a fixed rotation of them (an array indexed in an unrolled loop
+  // compiled to other code and registers at one chunk ahead).
+  Chunk<F, V, kMats> b0, b1, b2;
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first, b0);
+  if constexpr (kAhead == 2) {
+    if (mine > 1) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first + kStride, b1);
+  }
   if constexpr (kStaged) {
     if (stage()) {
       asm volatile("cp.async.wait_all;" ::: "memory");
@@ -430,14 +437,28 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
     }
   }
   if constexpr (kSmemScales) {
-    if (mine > 0) load_staged_scales(rows, first, even.scale_codes);
+    if (mine > 0) load_staged_scales(rows, first, b0.scale_codes);
   }
-  for (int i = 0; i < mine; i += 2) {
-    if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 1) * kStride, odd);
-    mma_chunk<F, V, kMats, kTiles, kStaged>(even, rows, first + i * kStride, tiles, acc);
-    if (i + 1 >= mine) break;
-    if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 2) * kStride, even);
-    mma_chunk<F, V, kMats, kTiles, kStaged>(odd, rows, first + (i + 1) * kStride, tiles, acc);
+  if constexpr (kAhead == 1) {
+    for (int i = 0; i < mine; i += 2) {
+      if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 1) * kStride, b1);
+      mma_chunk<F, V, kMats, kTiles, kStaged>(b0, rows, first + i * kStride, tiles, acc);
+      if (i + 1 >= mine) break;
+      if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 2) * kStride, b0);
+      mma_chunk<F, V, kMats, kTiles, kStaged>(b1, rows, first + (i + 1) * kStride, tiles, acc);
+    }
+  } else {
+    // Chunk j: its MMAs from `ch` after the loads of chunk j + kAhead into `next`; false past the last.
+    const auto step = [&](int j, const Chunk<F, V, kMats>& ch, Chunk<F, V, kMats>& next) {
+      if (j >= mine) return false;
+      if (j + kAhead < mine) {
+        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (j + kAhead) * kStride, next);
+      }
+      mma_chunk<F, V, kMats, kTiles, kStaged>(ch, rows, first + j * kStride, tiles, acc);
+      return true;
+    };
+    for (int i = 0; step(i, b0, b2) && step(i + 1, b1, b0) && step(i + 2, b2, b1); i += 3) {
+    }
   }
   const unsigned tail0 = chunks * 4 * V;
   const int tail_steps = (K - static_cast<int>(tail0)) / 16;
@@ -595,8 +616,10 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
 // staged a slice at a time (the layer's K is past expert_major_staged_fits). `copy` false (staged,
 // neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
-// the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
-template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny>
+// the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here). kAhead: how
+// many chunks ahead of their MMAs the K loop loads (mma_rows; 1 wherever kScaleCopy or kSliced).
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
+          int kAhead = 1>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
                                          bool store = true, uint8_t* staged = nullptr, bool copy = true) {
   constexpr int kMats = kGateUp ? 2 : 1;
@@ -621,6 +644,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   // (The launch runs the kScaleCopy kernel only where ExpertMajorLaunch::down_copies_scales.)
   static_assert(!kScaleCopy || (!kGateUp && !kSplit && !kSliced));
   static_assert(!kSliced || !kSplit);
+  static_assert(kAhead == 1 || !(kScaleCopy || kSliced));
   bool smem_scales = kScaleCopy && format == WeightFormat::kNVFP4 && K % 128 == 0;
   uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
@@ -683,37 +707,37 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   float acc[kTiles][kMats][4] = {};
   static_assert(kPath == kPathAny || (!kScaleCopy && !kSliced));
   if constexpr (kPath == kPathNvfp4Aligned) {
-    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathNvfp4) {
-    mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8Block) {
-    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8) {
-    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathBf16) {
-    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else switch (format) {
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
         if (smem_scales) {  // implies aligned16
-          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true, kSliced>(rows, K, tiles, stage, acc);
+          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true, kSliced, 1>(rows, K, tiles, stage, acc);
           break;
         }
       }
       if (aligned16) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
       }
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced>(rows, K, tiles, stage, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
@@ -762,6 +786,23 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
+// How many chunks ahead a staged kernel's K loop loads (mma_rows): two, except where the scale
+// codes come from shared memory (kScaleCopy), the activations in slices (kSliced), or in the
+// two-tile gate_up, which spilled when held to its 3 blocks per SM with three buffers.
+__host__ __device__ constexpr int staged_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
+  return scale_copy || sliced || (gate_up && tiles == 2) ? 1 : 2;
+}
+
+// The blocks per SM a staged kernel is held to (__launch_bounds__): where it loads two chunks
+// ahead, those its registers allowed at one (down 70-71 registers at one tile and one or two
+// passes: 7; 64 at four passes: 8; gate_up 119, and down at two tiles 114-115: 4), so that the
+// deeper loads cost no warps; elsewhere no bound (1).
+__host__ __device__ constexpr int staged_min_blocks(bool gate_up, bool scale_copy, bool sliced, int tiles, int passes) {
+  if (staged_ahead(gate_up, scale_copy, sliced, tiles) == 1) return 0;
+  if (gate_up || tiles == 2) return 4;
+  return passes == 4 ? 8 : 7;
+}
+
 // A staged down block's kPasses passes of 64 rows from this warp's row0 (group row + 16 w), each
 // over the activations the first one staged, all on the K loop kPath. A warp past the rows
 // computes a copy of the group's first rows in the first pass, storing nothing, so that it
@@ -770,13 +811,14 @@ template <int kTiles, int kPasses, int kPath>
 __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int rows,
                                                    int row0, uint8_t* staged) {
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
-  run_item<false, kTiles, false, false, false, kPath>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
-                                                      staged);
+  constexpr int kAhead = staged_ahead(false, false, false, kTiles);
+  run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, item, row0 < rows ? row0 : group_row0,
+                                                              row0 < rows, staged);
 #pragma unroll 1
   for (int pass = 1; pass < kPasses; ++pass) {
     const int pass_row0 = row0 + pass * kExpertMajorStagedRows;
     if (pass_row0 >= rows) break;
-    run_item<false, kTiles, false, false, false, kPath>(L, n, ws, item, pass_row0, true, staged, false);
+    run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, item, pass_row0, true, staged, false);
   }
 }
 
@@ -793,7 +835,8 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 // and loop over the passes on it: around run_item's own choice a loop took twice the registers
 // (150-255, spilling), ptxas keeping values of every format's loop live across the passes.
 template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1>
-__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
+__global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kScaleCopy, kSliced, kTiles, kPasses))
+    moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   int4 item;
   if (!read_item(ws, item)) return;
@@ -807,11 +850,13 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_staged(DevLayer L, 
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses <= 2 || !kGateUp);
   if constexpr (kPasses <= 2) {
-    run_item<kGateUp, kTiles, false, kScaleCopy, kSliced>(L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows,
-                                                          staged);
+    constexpr int kAhead = staged_ahead(kGateUp, kScaleCopy, kSliced, kTiles);
+    run_item<kGateUp, kTiles, false, kScaleCopy, kSliced, kPathAny, kAhead>(
+        L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
     if constexpr (kPasses == 2) {
       if (row0 + kExpertMajorStagedRows < rows) {
-        run_item<kGateUp, kTiles, false>(L, n, ws, item, row0 + kExpertMajorStagedRows, true, staged, false);
+        run_item<kGateUp, kTiles, false, false, false, kPathAny, kAhead>(L, n, ws, item, row0 + kExpertMajorStagedRows,
+                                                                         true, staged, false);
       }
     }
   } else {
