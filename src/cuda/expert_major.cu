@@ -616,8 +616,10 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
 // staged a slice at a time (the layer's K is past expert_major_staged_fits). `copy` false (staged,
 // neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
-// the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here). kAhead: how
-// many chunks ahead of their MMAs the K loop loads (mma_rows; 1 wherever kScaleCopy or kSliced).
+// the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
+// kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
+// wherever kScaleCopy or kSliced). FP8 and BF16 matrices load one ahead: two measured 0.95-0.99x
+// on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
           int kAhead = 1>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
@@ -711,11 +713,11 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   } else if constexpr (kPath == kPathNvfp4) {
     mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8Block) {
-    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8) {
-    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathBf16) {
-    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
   } else switch (format) {
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
@@ -732,12 +734,12 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
@@ -786,9 +788,11 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
-// How many chunks ahead a staged kernel's K loop loads (mma_rows): two, except where the scale
-// codes come from shared memory (kScaleCopy), the activations in slices (kSliced), or in the
-// two-tile gate_up, which spilled when held to its 3 blocks per SM with three buffers.
+// How many chunks ahead a staged kernel's K loop over an NVFP4 matrix loads (run_item's kAhead):
+// two, except where the scale codes come from shared memory (kScaleCopy), the activations in
+// slices (kSliced), or in the two-tile gate_up, which spilled when held to its 3 blocks per SM
+// with three buffers. Two measured 1.02-1.06x on the qwen3 shapes at N = 16-256 (docs/PERF.md,
+// v3.14).
 __host__ __device__ constexpr int staged_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
   return scale_copy || sliced || (gate_up && tiles == 2) ? 1 : 2;
 }
@@ -844,8 +848,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kSc
   const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
   const int group_row0 = blockIdx.x * kPasses * kExpertMajorStagedRows;
   if (group_row0 >= rows) return;
-  const int warp_row = static_cast<int>(threadIdx.x / kWarp) * kRows;
-  const int row0 = group_row0 + warp_row;
+  const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;  // this warp's rows in the first pass
   static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses <= 2 || !kGateUp);
