@@ -618,8 +618,8 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
 // the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
 // kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
-// wherever kScaleCopy or kSliced). FP8 and BF16 matrices load one ahead: two measured 0.95-0.99x
-// on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
+// wherever kScaleCopy or kSliced; the staged kernels' choice, staged_two_ahead). FP8 and BF16
+// matrices load one ahead: two measured 0.95-0.99x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
           int kAhead = 1>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
@@ -788,21 +788,22 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
 }
 
-// How many chunks ahead a staged kernel's K loop over an NVFP4 matrix loads (run_item's kAhead):
-// two, except where the scale codes come from shared memory (kScaleCopy), the activations in
-// slices (kSliced), or in the two-tile gate_up, which spilled when held to its 3 blocks per SM
-// with three buffers. Two measured 1.02-1.06x on the qwen3 shapes at N = 16-256 (docs/PERF.md,
-// v3.14).
-__host__ __device__ constexpr int staged_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
-  return scale_copy || sliced || (gate_up && tiles == 2) ? 1 : 2;
+// Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
+// (run_item's kAhead), which the launch runs in layers with NVFP4 experts: two measured 1.02-1.06x
+// on the qwen3 shapes at N = 16-256, and the kernels holding them, run on FP8 experts,
+// 0.93-0.98x (docs/PERF.md, v3.14). Not where the scale codes come from shared memory
+// (kScaleCopy), the activations in slices (kSliced), nor in the two-tile gate_up, which spilled
+// when held to its 3 blocks per SM with three buffers.
+__host__ __device__ constexpr bool staged_two_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
+  return !(scale_copy || sliced || (gate_up && tiles == 2));
 }
 
-// The blocks per SM a staged kernel is held to (__launch_bounds__): where it loads two chunks
-// ahead, those its registers allowed at one (down 70-71 registers at one tile and one or two
-// passes: 7; 64 at four passes: 8; gate_up 119, and down at two tiles 114-115: 4), so that the
-// deeper loads cost no warps; elsewhere no bound (1).
-__host__ __device__ constexpr int staged_min_blocks(bool gate_up, bool scale_copy, bool sliced, int tiles, int passes) {
-  if (staged_ahead(gate_up, scale_copy, sliced, tiles) == 1) return 0;
+// The blocks per SM a staged kernel is held to (__launch_bounds__): at two chunks ahead, those its
+// registers allowed at one (down 70-71 registers at one tile and one or two passes: 7; 64 at four
+// passes: 8; gate_up 119, and down at two tiles 114-115: 4), so that the deeper loads cost no
+// warps; at one, no bound (0).
+__host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, int passes, int ahead) {
+  if (ahead == 1) return 0;
   if (gate_up || tiles == 2) return 4;
   return passes == 4 ? 8 : 7;
 }
@@ -811,11 +812,10 @@ __host__ __device__ constexpr int staged_min_blocks(bool gate_up, bool scale_cop
 // over the activations the first one staged, all on the K loop kPath. A warp past the rows
 // computes a copy of the group's first rows in the first pass, storing nothing, so that it
 // reaches the staging barrier, and skips the rest.
-template <int kTiles, int kPasses, int kPath>
+template <int kTiles, int kPasses, int kPath, int kAhead>
 __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int rows,
                                                    int row0, uint8_t* staged) {
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
-  constexpr int kAhead = staged_ahead(false, false, false, kTiles);
   run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, item, row0 < rows ? row0 : group_row0,
                                                               row0 < rows, staged);
 #pragma unroll 1
@@ -838,8 +838,8 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 // against 79 with the loop chosen once for the block); four choose it once per block (weight_path)
 // and loop over the passes on it: around run_item's own choice a loop took twice the registers
 // (150-255, spilling), ptxas keeping values of every format's loop live across the passes.
-template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1>
-__global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kScaleCopy, kSliced, kTiles, kPasses))
+template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1, int kAhead = 1>
+__global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTiles, kPasses, kAhead))
     moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   extern __shared__ __align__(16) uint8_t staged[];
   int4 item;
@@ -852,8 +852,8 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kSc
   static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses <= 2 || !kGateUp);
+  static_assert(kAhead == 1 || (kAhead == 2 && staged_two_ahead(kGateUp, kScaleCopy, kSliced, kTiles)));
   if constexpr (kPasses <= 2) {
-    constexpr int kAhead = staged_ahead(kGateUp, kScaleCopy, kSliced, kTiles);
     run_item<kGateUp, kTiles, false, kScaleCopy, kSliced, kPathAny, kAhead>(
         L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
     if constexpr (kPasses == 2) {
@@ -864,11 +864,11 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kSc
     }
   } else {
     switch (weight_path(ex.down)) {
-      case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned>(L, n, ws, item, rows, row0, staged); break;
-      case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4>(L, n, ws, item, rows, row0, staged); break;
-      case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block>(L, n, ws, item, rows, row0, staged); break;
-      case kPathFp8: staged_down_passes<kTiles, kPasses, kPathFp8>(L, n, ws, item, rows, row0, staged); break;
-      default: staged_down_passes<kTiles, kPasses, kPathBf16>(L, n, ws, item, rows, row0, staged); break;
+      case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned, kAhead>(L, n, ws, item, rows, row0, staged); break;
+      case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4, kAhead>(L, n, ws, item, rows, row0, staged); break;
+      case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block, kAhead>(L, n, ws, item, rows, row0, staged); break;
+      case kPathFp8: staged_down_passes<kTiles, kPasses, kPathFp8, kAhead>(L, n, ws, item, rows, row0, staged); break;
+      default: staged_down_passes<kTiles, kPasses, kPathBf16, kAhead>(L, n, ws, item, rows, row0, staged); break;
     }
   }
 }
@@ -888,17 +888,17 @@ cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorksp
 }
 
 // The staged down of kTiles token tiles whose blocks make `passes` (1, 2 or 4) passes of 64 rows
-// over one staging (neither sliced nor copying scale codes).
-template <int kTiles>
+// over one staging (neither sliced nor copying scale codes), its NVFP4 loops kAhead chunks ahead.
+template <int kTiles, int kAhead>
 void launch_staged_down(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
                         cudaStream_t stream) {
   const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
   if (passes == 4) {
-    moe_expert_staged<false, false, false, kTiles, 4><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    moe_expert_staged<false, false, false, kTiles, 4, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   } else if (passes == 2) {
-    moe_expert_staged<false, false, false, kTiles, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    moe_expert_staged<false, false, false, kTiles, 2, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   } else {
-    moe_expert_staged<false, false, false, kTiles><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    moe_expert_staged<false, false, false, kTiles, 1, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
   }
 }
 
@@ -913,14 +913,24 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
+    // Two chunks ahead in layers with NVFP4 experts (staged_two_ahead).
+    const auto down = [&]<int kTiles>() {
+      if (L.nvfp4) {
+        launch_staged_down<kTiles, 2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
+      } else {
+        launch_staged_down<kTiles, 1>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
+      }
+    };
     if (tiles == 2) {
       if (gate_up) {
         moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else {
-        launch_staged_down<2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
+        down.template operator()<2>();
       }
     } else if (gate_up && call.gate_up_sliced) {
       moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    } else if (gate_up && L.nvfp4) {
+      moe_expert_staged<true, false, false, 1, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (call.down_sliced) {
@@ -928,7 +938,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     } else if (call.down_copies_scales) {
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
-      launch_staged_down<1>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
+      down.template operator()<1>();
     }
     return cudaGetLastError();
   }
@@ -951,6 +961,9 @@ cudaError_t prepare_expert_major_kernels() {
   two_tiles(moe_expert_staged<false, false, false, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 4>);
+  two_tiles(moe_expert_staged<false, false, false, 2, 1, 2>);
+  two_tiles(moe_expert_staged<false, false, false, 2, 2, 2>);
+  two_tiles(moe_expert_staged<false, false, false, 2, 4, 2>);
   return err;
 }
 
