@@ -619,7 +619,7 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
 // kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
 // wherever kScaleCopy or kSliced; the staged kernels' choice, staged_two_ahead). FP8 and BF16
-// matrices load one ahead: two measured 0.95-0.99x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
+// matrices load one ahead: two measured 0.95-1.00x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
           int kAhead = 1>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
@@ -789,9 +789,9 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
-// (run_item's kAhead), which the launch runs in layers with NVFP4 experts: two measured 1.02-1.06x
+// (run_item's kAhead), which the launch runs in layers with NVFP4 experts: two measured 1.01-1.06x
 // on the qwen3 shapes at N = 16-256, and the kernels holding them, run on FP8 experts,
-// 0.93-0.98x (docs/PERF.md, v3.14). Not where the scale codes come from shared memory
+// 0.93-0.96x there (docs/PERF.md, v3.14). Not where the scale codes come from shared memory
 // (kScaleCopy), the activations in slices (kSliced), nor in the two-tile gate_up, which spilled
 // when held to its 3 blocks per SM with three buffers.
 __host__ __device__ constexpr bool staged_two_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
