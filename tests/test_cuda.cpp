@@ -140,6 +140,8 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
 // one). The ragged shape's 272 down rows leave the last two- and four-pass blocks a partial first
 // pass (16 rows) and no other; at 384 rows the last four-pass block makes two of its four passes.
+// NVFP4 layers run the staged kernels whose K loops load two chunks ahead (all but the two-tile
+// gate_up, the scale-copying and the sliced ones), FP8 and BF16 layers those one ahead.
 TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
                                                               .top_k = 4, .shared_intermediate = 144,
