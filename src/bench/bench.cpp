@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "moeinfer/backend.h"
 #include "moeinfer/checkpoint.h"
 #include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
@@ -108,6 +109,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   if (cfg.backend != BackendKind::kCuda && cfg.backend != BackendKind::kReference && cfg.backend != BackendKind::kCpu) {
     return invalid_argument("bench: --backend must be cuda, cpu or reference");
   }
+  if (cuda) {  // a machine without a usable GPU gets the reason, as `run` gives it
+    for (const BackendAvailability& b : backend_availability()) {
+      if (b.kind == BackendKind::kCuda && !b.available) return unavailable(fmt::format("backend 'cuda': {}", b.reason));
+    }
+  }
   if (cfg.ep < 0) return invalid_argument(fmt::format("bench: --ep must be at least 1 (got {})", cfg.ep));
   const bool ep = cfg.ep > 0;
   if (ep && cfg.backend != BackendKind::kCpu && cfg.backend != BackendKind::kCuda) {
@@ -194,7 +200,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
                                    .rank = ep_rank(),
                                    .ranks = ep_size(),
                                    .staged = cfg.staged,
-                                   .staged_passes = cfg.staged_passes};
+                                   .staged_passes = cfg.staged_passes,
+                                   .staged_ahead = cfg.staged_ahead};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
         if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
       });
@@ -265,6 +272,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.plan = plan;
         if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
         if (cfg.staged_passes) row.config += fmt::format("; {} staged pass(es) forced", *cfg.staged_passes);
+        if (cfg.staged_ahead) row.config += fmt::format("; {} chunk(s) ahead forced", *cfg.staged_ahead);
         row.time_us = time_us;
         row.distinct_experts = distinct;
         // The floor: every distinct routed expert once, the shared expert, the router, the
