@@ -507,39 +507,6 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(ds_forced, 1), "8 9 L4");
 }
 
-// Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant
-// (one-tile gate_up, down neither sliced nor copying scale codes), in layers with NVFP4 experts
-// unless forced; forcing reaches no other kernel.
-TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
-  cuda::DevLayer qwen;  // qwen3-30b-a3b
-  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
-  const auto ahead = [](const cuda::DevLayer& L, int n) {
-    const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
-    return fmt::format("{}{}", c.gate_up_ahead, c.down_ahead);
-  };
-  EXPECT_EQ(ahead(qwen, 64), "11");  // FP8 / BF16 experts: one ahead
-  qwen.nvfp4 = true;
-  EXPECT_EQ(ahead(qwen, 1), "11");    // split-K both
-  EXPECT_EQ(ahead(qwen, 8), "12");    // gate_up split-K, down staged
-  EXPECT_EQ(ahead(qwen, 64), "22");
-  EXPECT_EQ(ahead(qwen, 256), "12");  // two token tiles: the gate_up kernel has no two-ahead variant
-  cuda::DevLayer one = qwen;
-  one.staged_ahead = 1;
-  EXPECT_EQ(ahead(one, 64), "11");
-  cuda::DevLayer two = qwen;
-  two.nvfp4 = false, two.staged_ahead = 2;
-  EXPECT_EQ(ahead(two, 64), "22");
-  EXPECT_EQ(ahead(two, 256), "12");
-  // DeepSeek-V3: gate_up staged only in slices (forced), down copying NVFP4 scale codes: neither
-  // kernel has the variant; without NVFP4 experts its down has it.
-  cuda::DevLayer ds;
-  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
-  ds.nvfp4 = true, ds.staged = 1, ds.staged_ahead = 2;
-  EXPECT_EQ(ahead(ds, 4), "11");
-  ds.nvfp4 = false;
-  EXPECT_EQ(ahead(ds, 4), "12");
-}
-
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,
 // the H200's): the wide router from 1.5 blocks per SM, the loads-first blend within one wave.
 TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
