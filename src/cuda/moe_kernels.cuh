@@ -192,9 +192,9 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // weights against activations already in shared memory: a one-pass block copies 8 or 16 token
 // rows of K bf16 from L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the
 // weights), and the path between L2 and the SMs, not DRAM, has bounded these kernels
-// (docs/PERF.md, "Where the gap comes from"). The two-pass kernels take the registers of the one-pass ones (71 / 115 against 70 / 114
-// at one / two token tiles); the four-pass ones choose the expert's K loop once per block, outside
-// the passes, and take 64 / 114. gate_up makes one pass: its activations are half its weight bytes
+// (docs/PERF.md, "Where the gap comes from"). The two-pass kernels take the registers of the
+// one-pass ones (71 / 115 against 70 / 114 at one / two token tiles); the four-pass ones choose
+// the expert's K loop once per block, outside the passes, and take 64 / 114. gate_up makes one pass: its activations are half its weight bytes
 // at most, and forced to two or four passes (128 / 123 registers at one tile, 168 at two) it ran
 // 0.75-1.00x at qwen3 N = 16-256 (docs/PERF.md v3.13).
 //
