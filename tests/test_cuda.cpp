@@ -176,18 +176,21 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
         std::vector<float> split;
-        for (const int passes : {0, 1, 2, 4}) {  // 0: split-K; else down's passes, forced
+        // passes 0: split-K; else down's passes and the NVFP4 loops' chunks ahead, both forced.
+        for (const auto& [passes, ahead] : {std::pair{0, 0}, std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 1},
+                                           std::pair{2, 2}, std::pair{4, 1}, std::pair{4, 2}}) {
           const bool staged = passes > 0;
           std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
               layer, n,
               CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged,
-                             .staged_passes = staged ? std::optional<int>(passes) : std::nullopt}));
+                             .staged_passes = staged ? std::optional<int>(passes) : std::nullopt,
+                             .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt}));
           out.poison();
           ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = out.get();
           const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n,
-                                               staged ? fmt::format("staged, {} pass(es)", passes) : "split K");
+                                               staged ? fmt::format("staged, {} pass(es), {} ahead", passes, ahead) : "split K");
           // The kernels the test means to compare ran: staged where it says so, and sliced exactly
           // where a staged call's K is past 3008.
           const std::string config = moe->call_config(n);
@@ -210,6 +213,16 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           } else {
             EXPECT_EQ(config.find(" x"), std::string::npos) << what << ": " << config;
           }
+          // Two ahead wherever the staged kernel has that variant (staged_two_ahead), forced.
+          EXPECT_EQ(config.find("gate_up staged (2 ahead)") != std::string::npos,
+                    staged && ahead == 2 && group == 8 && !gate_up_sliced)
+              << what << ": " << config;
+          const bool down_two = staged && ahead == 2 && group != cuda::kExpertMajorGroup && !(group == 8 && down_sliced) &&
+                                !scale_copy;
+          EXPECT_EQ(config.find(fmt::format("down staged{} (2 ahead)", passes > 1 ? fmt::format(" x{}", passes) : "")) !=
+                        std::string::npos,
+                    down_two)
+              << what << ": " << config;
           ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
           // bf16 activations and operands: the path's tolerance in the backend-ops tests.
           EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
@@ -223,7 +236,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 4 * 6 * 4);
+  EXPECT_EQ(checked, 6 * 4 * 6 * 7);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -505,6 +518,39 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
   ds_forced.nvfp4 = false;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 L4");
+}
+
+// Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant
+// (one-tile gate_up, down neither sliced nor copying scale codes), in layers with NVFP4 experts
+// unless forced; forcing reaches no other kernel.
+TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
+  cuda::DevLayer qwen;  // qwen3-30b-a3b
+  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
+  const auto ahead = [](const cuda::DevLayer& L, int n) {
+    const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
+    return fmt::format("{}{}", c.gate_up_ahead, c.down_ahead);
+  };
+  EXPECT_EQ(ahead(qwen, 64), "11");  // FP8 / BF16 experts: one ahead
+  qwen.nvfp4 = true;
+  EXPECT_EQ(ahead(qwen, 1), "11");    // split-K both
+  EXPECT_EQ(ahead(qwen, 8), "12");    // gate_up split-K, down staged
+  EXPECT_EQ(ahead(qwen, 64), "22");
+  EXPECT_EQ(ahead(qwen, 256), "12");  // two token tiles: the gate_up kernel has no two-ahead variant
+  cuda::DevLayer one = qwen;
+  one.staged_ahead = 1;
+  EXPECT_EQ(ahead(one, 64), "11");
+  cuda::DevLayer two = qwen;
+  two.nvfp4 = false, two.staged_ahead = 2;
+  EXPECT_EQ(ahead(two, 64), "22");
+  EXPECT_EQ(ahead(two, 256), "12");
+  // DeepSeek-V3: gate_up staged only in slices (forced), down copying NVFP4 scale codes: neither
+  // kernel has the variant; without NVFP4 experts its down has it.
+  cuda::DevLayer ds;
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  ds.nvfp4 = true, ds.staged = 1, ds.staged_ahead = 2;
+  EXPECT_EQ(ahead(ds, 4), "11");
+  ds.nvfp4 = false;
+  EXPECT_EQ(ahead(ds, 4), "12");
 }
 
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,

@@ -42,6 +42,9 @@ struct BenchConfig {
   std::optional<bool> staged;
   // 64-row passes per staged down block: 1, 2 or 4 forced (CudaMoeOptions::staged_passes).
   std::optional<int> staged_passes;
+  // Chunks ahead of their MMAs that the staged kernels' NVFP4 loops load: 1 or 2 forced
+  // (CudaMoeOptions::staged_ahead).
+  std::optional<int> staged_ahead;
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;

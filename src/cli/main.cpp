@@ -148,6 +148,7 @@ struct BenchOptions {
   std::string path;
   std::string staged = "auto";
   std::string staged_passes = "auto";
+  std::string staged_ahead = "auto";
   std::string out = "bench-out";
   int inputs = 8;
   int reps = 20;
@@ -212,6 +213,12 @@ int bench_command(const BenchOptions& opt) {
     cfg.staged_passes = opt.staged_passes[0] - '0';
   } else if (opt.staged_passes != "auto") {
     return fail(invalid_argument(fmt::format("--staged-passes: '{}' is not auto, 1, 2 or 4", opt.staged_passes)));
+  }
+  if (opt.staged_ahead == "1" || opt.staged_ahead == "2") {
+    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged-ahead applies to the cuda backend"));
+    cfg.staged_ahead = opt.staged_ahead[0] - '0';
+  } else if (opt.staged_ahead != "auto") {
+    return fail(invalid_argument(fmt::format("--staged-ahead: '{}' is not auto, 1 or 2", opt.staged_ahead)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -487,6 +494,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--staged-passes", bench.staged_passes,
                         "CUDA staged expert-major down: 64-row passes per block over one staging of the activations, "
                         "chosen per call (auto), or 1, 2 or 4 forced")
+      ->capture_default_str();
+  bench_cmd->add_option("--staged-ahead", bench.staged_ahead,
+                        "CUDA staged expert-major kernels: chunks of NVFP4 weights each warp loads ahead of its MMAs, "
+                        "two in layers with NVFP4 experts (auto), or 1 or 2 forced")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");

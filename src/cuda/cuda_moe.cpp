@@ -129,12 +129,16 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
-  const auto staged = [](bool sliced, int passes) {
-    return sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
+  // "(2 ahead)": the staged kernel's NVFP4 loop loads two chunks ahead of its MMAs.
+  const auto staged = [](bool sliced, int passes, int ahead) {
+    const std::string kernel =
+        sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
+    return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
   return fmt::format("{} routes/item, gate_up {}, down {}", call.group,
-                     call.staged_gate_up ? staged(call.gate_up_sliced, 1) : "split-K",
-                     call.staged_down ? (call.down_copies_scales ? "staged+scales" : staged(call.down_sliced, call.down_passes))
+                     call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead) : "split-K",
+                     call.staged_down ? (call.down_copies_scales ? "staged+scales"
+                                                                 : staged(call.down_sliced, call.down_passes, call.down_ahead))
                                       : "split-K");
 }
 
@@ -157,6 +161,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   const LayerDesc& d = layer.desc;
   if (options.staged_passes && *options.staged_passes != 1 && *options.staged_passes != 2 && *options.staged_passes != 4) {
     return invalid_argument(fmt::format("staged passes: {} (1, 2 or 4)", *options.staged_passes));
+  }
+  if (options.staged_ahead && *options.staged_ahead != 1 && *options.staged_ahead != 2) {
+    return invalid_argument(fmt::format("staged chunks ahead: {} (1 or 2)", *options.staged_ahead));
   }
   if (options.ranks < 1 || options.rank < 0 || options.rank >= options.ranks) {
     return invalid_argument(fmt::format("expert parallelism: rank {} of {} ranks", options.rank, options.ranks));
@@ -254,6 +261,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::blend_resident_per_sm(&L.blend_resident), "blend occupancy"));
   L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
   L.staged_passes = options.staged_passes ? static_cast<int8_t>(*options.staged_passes) : int8_t{0};
+  L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);

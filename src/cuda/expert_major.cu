@@ -789,11 +789,10 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
-// (run_item's kAhead), which the launch runs in layers with NVFP4 experts: two measured 1.01-1.06x
-// on the qwen3 shapes at N = 16-256, and the kernels holding them, run on FP8 experts,
-// 0.93-0.96x there (docs/PERF.md, v3.14). Not where the scale codes come from shared memory
-// (kScaleCopy), the activations in slices (kSliced), nor in the two-tile gate_up, which spilled
-// when held to its 3 blocks per SM with three buffers.
+// (run_item's kAhead), which the launch runs where ExpertMajorLaunch says so
+// (expert_major_staged_ahead, which follows this). Not where the scale codes come from shared
+// memory (kScaleCopy), the activations in slices (kSliced), nor in the two-tile gate_up, which
+// spilled when held to its 3 blocks per SM with three buffers.
 __host__ __device__ constexpr bool staged_two_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
   return !(scale_copy || sliced || (gate_up && tiles == 2));
 }
@@ -913,9 +912,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
     const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
-    // Two chunks ahead in layers with NVFP4 experts (staged_two_ahead).
     const auto down = [&]<int kTiles>() {
-      if (L.nvfp4) {
+      if (call.down_ahead == 2) {
         launch_staged_down<kTiles, 2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
       } else {
         launch_staged_down<kTiles, 1>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
@@ -929,7 +927,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       }
     } else if (gate_up && call.gate_up_sliced) {
       moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (gate_up && L.nvfp4) {
+    } else if (gate_up && call.gate_up_ahead == 2) {
       moe_expert_staged<true, false, false, 1, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else if (gate_up) {
       moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);

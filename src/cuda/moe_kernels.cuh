@@ -61,6 +61,7 @@ struct DevLayer {
   int32_t blend_resident = 0;  // blocks of the loads-first blend an SM holds (blend_loads_first)
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
+  int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
@@ -219,6 +220,17 @@ inline int expert_major_staged_passes(int forced, int rows, int max_items, int s
   return blocks_per_sm_at_least(2, kExpertMajorTwoPassBlocksPerSm) ? 2 : 1;
 }
 
+// How many chunks ahead of their MMAs the K loops over NVFP4 weights load in the staged kernels
+// that have a two-ahead variant (all but the two-tile gate_up and the sliced and scale-copying
+// kernels): `forced` (1 or 2), else two in layers with NVFP4 experts. Those variants are held to
+// the blocks per SM of the one-ahead kernels and keep FP8 and BF16 loops one ahead, which there
+// measured 0.93-0.96x against the one-ahead kernels (docs/PERF.md v3.14), so layers without
+// NVFP4 experts run the one-ahead kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256.
+inline int expert_major_staged_ahead(int forced, bool nvfp4) {
+  if (forced == 1 || forced == 2) return forced;
+  return nvfp4 ? 2 : 1;
+}
+
 // Whether both GEMMs of an expert-major call may run the staged kernels with their activations
 // staged whole (K = hidden for gate_up, act_stride for down), and `mode` does not forbid them:
 // where the two-tile kernels can run (sliced staging has one tile only).
@@ -245,7 +257,9 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 // expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
 // memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts), and
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
-// scale-copying kernels). The launcher and the bench's per-call config both read it.
+// scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
+// (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1). The launcher and
+// the bench's per-call config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
@@ -255,6 +269,8 @@ struct ExpertMajorLaunch {
   bool down_sliced = false;
   bool down_copies_scales = false;
   int down_passes = 1;
+  int gate_up_ahead = 1;
+  int down_ahead = 1;
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -271,6 +287,9 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
     c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4);
   }
+  const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
+  if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
+  if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   return c;
 }
 
