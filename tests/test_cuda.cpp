@@ -57,6 +57,13 @@ std::vector<float> replay_matching_eager(cudaGraphExec_t exec, cudaStream_t stre
   return replayed;
 }
 
+// Options that force the tensor-core router on or off, the rest left to the defaults.
+CudaMoeOptions router_options(bool mma) {
+  CudaMoeOptions options;
+  options.router_mma = mma;
+  return options;
+}
+
 class Cuda : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -237,6 +244,102 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
     }
   }
   EXPECT_EQ(checked, 6 * 4 * 6 * 7);
+}
+
+// The router's logits on the tensor cores (x in three bf16 parts, fp32 sums) against the CUDA-core
+// kernels (fp32 FMAs), forced each way: the same routes and weights to within the order of fp32
+// sums, so the layer outputs agree to a few ulps; a lost slice of K or a missing part of x or of
+// the shared gate moves the weights by far more. Shapes that reach every edge of the grid:
+// - hidden 264 and 520: K slices of 256 columns with a last slice of one or two 8-column groups
+//   (not whole 32-column steps); 128 and 1032 below 256;
+// - router rows 125 (Qwen3-Next's shared gate as three rows from 128, in the second row group),
+//   124 (its gate rows 124-126, the first group's last whole ones), 64 + 8 zero experts
+//   (LongCat), 256 (two whole groups, DeepSeek-V3's grouped selection and correction bias), 40
+//   with a router bias (gpt-oss);
+// - N = 1, 7 (one tile of 8, part empty), 16 (two tiles), 17, 40 (four tiles, the last token
+//   group part full), 64.
+TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
+  const std::vector<std::pair<Family, FamilyShape>> shapes = {
+      {Family::kQwen3Next, {.hidden = 264, .intermediate = 64, .num_experts = 125, .top_k = 6, .shared_intermediate = 64}},
+      {Family::kQwen3Next, {.hidden = 520, .intermediate = 32, .num_experts = 124, .top_k = 4, .shared_intermediate = 32}},
+      {Family::kLongcatFlash, {.hidden = 128, .intermediate = 32, .num_experts = 64, .top_k = 6, .num_zero_experts = 8}},
+      {Family::kDeepseekV3, {.hidden = 1032, .intermediate = 32, .num_experts = 256, .top_k = 8, .shared_intermediate = 32,
+                             .routed_scaling_factor = 2.5, .n_group = 8, .topk_group = 4}},
+      {Family::kGptOss, {.hidden = 264, .intermediate = 32, .num_experts = 40, .top_k = 4}},
+  };
+  int checked = 0;
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 21));
+    const int64_t h = d.hidden;
+    for (const int64_t n : {1, 7, 16, 17, 40, 64}) {
+      const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 3);
+      std::vector<float> expected(tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+      DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+      x.put(tokens);
+      std::vector<float> fma;
+      for (const bool mma : {false, true}) {
+        std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, router_options(mma)));
+        const std::string what = fmt::format("{}, n {}, router {}", describe_shape(d), n, mma ? "mma" : "fma");
+        const std::string config = moe->call_config(n);
+        EXPECT_NE(config.find(mma ? "; router mma" : "; router fma"), std::string::npos) << what << ": " << config;
+        out.poison();
+        ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+        EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+        if (mma) {
+          EXPECT_LE(testing::rel_l2(got, fma), 1e-5) << what;
+        } else {
+          fma = got;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 5 * 6 * 2);
+}
+
+// The tensor-core router in a CUDA graph: its per-(row group, token group) counters must be back
+// at zero after each call, or a replay's last block would not add the slices up. Each replay,
+// with new tokens, matches an eager call bit for bit and the reference. By default it runs from
+// 16 tokens, up to 512; forced on, from 1.
+TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 512, .intermediate = 64, .num_experts = 130, .top_k = 8,
+                                                        .shared_intermediate = 64});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
+  const int64_t n = 24, h = d.hidden;
+  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
+  EXPECT_NE(moe->call_config(n).find("; router mma"), std::string::npos) << moe->call_config(n);
+  EXPECT_NE(moe->call_config(15).find("; router fma"), std::string::npos) << moe->call_config(15);
+  DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  x.put(make_tokens(n, h, 50));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (uint64_t seed = 51; seed <= 54; ++seed) {
+    const std::vector<float> tokens = make_tokens(n, h, seed);
+    x.put(tokens);
+    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
+    std::vector<float> expected(tokens.size());
+    ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+    EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+
+  std::unique_ptr<CudaMoe> big = take(CudaMoe::create(layer, 520, router_options(true)));
+  EXPECT_NE(big->call_config(1).find("; router mma"), std::string::npos) << big->call_config(1);
+  EXPECT_NE(big->call_config(512).find("; router mma"), std::string::npos) << big->call_config(512);
+  EXPECT_NE(big->call_config(513).find("; router fma"), std::string::npos) << big->call_config(513);
 }
 
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
@@ -518,6 +621,24 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");
   ds_forced.nvfp4 = false;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 L4");
+}
+
+// Forcing the tensor-core router on a layer it cannot run is refused before anything is uploaded
+// (so this needs no GPU): an FP8 router, and rows that are not whole 8-column loads.
+TEST(RouterMma, ForcedOnWhereItCannotRunIsANamedRefusal) {
+  const LayerDesc d = family_layer(Family::kQwen3Moe, {.hidden = 64, .intermediate = 32, .num_experts = 8, .top_k = 2});
+  Layer fp8 = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  fp8.router = take(QuantMatrix::quantize(fp8.router.dequantize(), fp8.router.rows, fp8.router.cols,
+                                          QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}));
+  const Status s = CudaMoe::create(fp8, 4, router_options(true)).status();
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(s.message(), "router on the tensor cores: it needs a BF16 router with hidden_size a multiple of 8; this "
+                         "layer's router is fp8-channel with hidden_size 64");
+  const LayerDesc ragged = family_layer(Family::kQwen3Moe, {.hidden = 100, .intermediate = 32, .num_experts = 8, .top_k = 2});
+  const Layer bf16 = take(make_synthetic_layer(ragged, {WeightFormat::kBF16}, 1));
+  EXPECT_EQ(CudaMoe::create(bf16, 4, router_options(true)).status().message(),
+            "router on the tensor cores: it needs a BF16 router with hidden_size a multiple of 8; this layer's router "
+            "is bf16 with hidden_size 100");
 }
 
 // Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant

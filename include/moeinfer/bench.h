@@ -45,6 +45,8 @@ struct BenchConfig {
   // Chunks ahead of their MMAs that the staged kernels' NVFP4 loops load: 1 or 2 forced
   // (CudaMoeOptions::staged_ahead).
   std::optional<int> staged_ahead;
+  // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
+  std::optional<bool> router_mma;
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;

@@ -40,6 +40,11 @@ struct CudaMoeOptions {
   // and scale-copying kernels): how many chunks ahead of their MMAs their K loops over NVFP4
   // weights load, 1 or 2 forced; nullopt: two in layers with NVFP4 experts, else one.
   std::optional<int> staged_ahead = std::nullopt;
+  // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
+  // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
+  // forbids them; nullopt runs them from 16 tokens. They need a BF16 router whose rows are a
+  // multiple of 8 columns: forcing them on another is refused at create.
+  std::optional<bool> router_mma = std::nullopt;
 };
 
 class CudaMoe {

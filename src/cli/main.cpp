@@ -149,6 +149,7 @@ struct BenchOptions {
   std::string staged = "auto";
   std::string staged_passes = "auto";
   std::string staged_ahead = "auto";
+  std::string router_mma = "auto";
   std::string out = "bench-out";
   int inputs = 8;
   int reps = 20;
@@ -219,6 +220,12 @@ int bench_command(const BenchOptions& opt) {
     cfg.staged_ahead = opt.staged_ahead[0] - '0';
   } else if (opt.staged_ahead != "auto") {
     return fail(invalid_argument(fmt::format("--staged-ahead: '{}' is not auto, 1 or 2", opt.staged_ahead)));
+  }
+  if (opt.router_mma == "on" || opt.router_mma == "off") {
+    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--router-mma applies to the cuda backend"));
+    cfg.router_mma = opt.router_mma == "on";
+  } else if (opt.router_mma != "auto") {
+    return fail(invalid_argument(fmt::format("--router-mma: '{}' is not auto, on or off", opt.router_mma)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -498,6 +505,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--staged-ahead", bench.staged_ahead,
                         "CUDA staged expert-major kernels: chunks of NVFP4 weights each warp loads ahead of its MMAs, "
                         "two in layers with NVFP4 experts (auto), or 1 or 2 forced")
+      ->capture_default_str();
+  bench_cmd->add_option("--router-mma", bench.router_mma,
+                        "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens (auto), "
+                        "or forced on or off")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");

@@ -125,9 +125,11 @@ struct CudaMoe::Impl {
 CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoe::~CudaMoe() = default;
 std::string CudaMoe::call_config(int64_t n) const {
-  const PathKind path = impl_->plan.path_for(n);
-  if (path != PathKind::kExpertMajor) return path_name(path);
   const cuda::DevLayer& L = impl_->dev;
+  // The router's kernel: on the tensor cores or the CUDA cores (FMA).
+  const std::string router = cuda::router_uses_mma(L, static_cast<int>(n)) ? "router mma" : "router fma";
+  const PathKind path = impl_->plan.path_for(n);
+  if (path != PathKind::kExpertMajor) return fmt::format("{}; {}", path_name(path), router);
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
   // "(2 ahead)": the staged kernel's NVFP4 loop loads two chunks ahead of its MMAs.
   const auto staged = [](bool sliced, int passes, int ahead) {
@@ -135,11 +137,12 @@ std::string CudaMoe::call_config(int64_t n) const {
         sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
     return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
-  return fmt::format("{} routes/item, gate_up {}, down {}", call.group,
+  return fmt::format("{} routes/item, gate_up {}, down {}; {}", call.group,
                      call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead) : "split-K",
                      call.staged_down ? (call.down_copies_scales ? "staged+scales"
                                                                  : staged(call.down_sliced, call.down_passes, call.down_ahead))
-                                      : "split-K");
+                                      : "split-K",
+                     router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -164,6 +167,13 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   }
   if (options.staged_ahead && *options.staged_ahead != 1 && *options.staged_ahead != 2) {
     return invalid_argument(fmt::format("staged chunks ahead: {} (1 or 2)", *options.staged_ahead));
+  }
+  // The tensor-core router multiplies BF16 weights, 8 columns per load.
+  const bool router_mma_fits = layer.router.spec.format == WeightFormat::kBF16 && d.hidden % 8 == 0;
+  if (options.router_mma.value_or(false) && !router_mma_fits) {
+    return unsupported(fmt::format("router on the tensor cores: it needs a BF16 router with hidden_size a multiple of 8; "
+                                   "this layer's router is {} with hidden_size {}",
+                                   quant_spec_name(layer.router.spec), d.hidden));
   }
   if (options.ranks < 1 || options.rank < 0 || options.rank >= options.ranks) {
     return invalid_argument(fmt::format("expert parallelism: rank {} of {} ranks", options.rank, options.ranks));
@@ -275,6 +285,23 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<const float*> sg = impl->weights.upload(layer.shared_gate);
   if (!sg.ok()) return sg.status();
   L.shared_gate_values = *sg;
+  if (d.shared_gate) {
+    // The gate vector in three bf16 rows for the tensor-core router: each part what the ones
+    // before it left of g, so that hi + mid + lo = g to fp32's precision.
+    std::vector<uint16_t> parts(3 * static_cast<size_t>(d.hidden));
+    for (size_t c = 0; c < layer.shared_gate.size(); ++c) {
+      float left = layer.shared_gate[c];
+      for (size_t p = 0; p < 3; ++p) {
+        parts[p * layer.shared_gate.size() + c] = bf16_from_float(left);
+        left -= bf16_to_float(parts[p * layer.shared_gate.size() + c]);
+      }
+    }
+    Result<const uint16_t*> split = impl->weights.upload(parts);
+    if (!split.ok()) return split.status();
+    L.shared_gate_bf16x3 = *split;
+  }
+  L.router_mma = options.router_mma ? static_cast<int8_t>(*options.router_mma) : int8_t{-1};
+  L.router_mma_tokens = router_mma_fits ? static_cast<int32_t>(std::min<int64_t>(max_tokens, cuda::kRouterMmaMaxTokens)) : 0;
   L.experts = *experts;
 
   // Scratch for max_tokens, planned once: forward allocates nothing.
@@ -294,8 +321,15 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> items = alloc(items_bytes);
   Result<void*> num_items = alloc(4);
   Result<void*> blocks_done = alloc(4);
+  // The tensor-core router's per-slice sums and its counters per (row group, token group of 8).
+  const int64_t router_groups = cuda::router_mma_row_groups(d.router_outputs(), d.shared_gate);
+  const int64_t router_counters = router_groups * ((L.router_mma_tokens + 7) / 8);
+  Result<void*> router_partials =
+      alloc(int64_t{cuda::router_mma_slices(static_cast<int>(d.hidden))} * L.router_mma_tokens * router_groups *
+            cuda::kRouterMmaRows * 4);
+  Result<void*> router_done = alloc(router_counters * 4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
-                                 &num_items, &blocks_done}) {
+                                 &num_items, &blocks_done, &router_partials, &router_done}) {
     if (!r->ok()) return r->status();
   }
   impl->ws.x_bf16 = static_cast<uint16_t*>(*x_bf16);
@@ -305,6 +339,10 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
   impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
+  impl->ws.router_partials = static_cast<float*>(*router_partials);
+  impl->ws.router_slices_done = static_cast<int32_t*>(*router_done);
+  MOEINFER_RETURN_IF_ERROR(
+      cuda_status(cudaMemset(*router_done, 0, static_cast<size_t>(router_counters) * 4), "cudaMemset"));
   // The GEMM kernels read their item beside the item count, also in slots past it.
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*items, 0, static_cast<size_t>(items_bytes)), "cudaMemset"));
   impl->ws.logits = static_cast<float*>(*logits);

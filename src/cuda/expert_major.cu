@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "cuda/mma.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"
 #include "moeinfer/format.h"
@@ -61,12 +62,6 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // Two E4M3 codes (low byte first) as floats, exactly.
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
   uint32_t h;
@@ -81,13 +76,6 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes) {
   const float2 f = e4m3x2_to_float2(two_codes);
   return pack_bf16(f.x, f.y);
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Bytes of `cols` consecutive weights of a row.

@@ -9,6 +9,7 @@
 #include <climits>
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/mma.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"
 #include "moeinfer/format.h"
@@ -367,6 +368,138 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(D
       ws.logits[static_cast<int64_t>(t0 + lane) * L.router_outputs + e] = mine + bias;
     }
   }
+}
+
+// Grid: (router_mma_row_groups, ceil(n / (8 kTiles)), router_mma_slices(H)); block: 8 warps,
+// warp w on rows 128 bx + 16 w .. + 15 for the block's 8 kTiles tokens over columns
+// 256 bz .. + 255 (moe_kernels.cuh says why and how the parts add up). Operand order as in
+// expert_major.cu: in each 32-column step, lane quad q owns columns 8q .. 8q + 7, the first four
+// for the step's first MMA and the last four for its second, in A (the weights) and B (x) alike,
+// which leaves the dot products unchanged. Blocks with blockIdx.x = 0 also write expert-major's
+// bf16 copy of x (the parts "hi").
+template <int kTiles>
+__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer L, const float* x, int n, DevWorkspace ws) {
+  constexpr int kSteps = kRouterMmaCols / 32;
+  constexpr int kParts = 3;
+  __shared__ uint4 xs[kTiles][kSteps][kParts][kWarp];  // B fragments, one uint4 per lane
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane / 4, q = lane % 4;
+  const int64_t H = L.hidden;
+  const int R = L.router_outputs;
+  const int gate_row = L.shared_gate ? router_mma_gate_row(R) : INT_MAX;
+  const int rows = L.shared_gate ? gate_row + kParts : R;
+  const int t0 = blockIdx.y * 8 * kTiles;
+  const int c0 = blockIdx.z * kRouterMmaCols;
+  const int row0 = blockIdx.x * kRouterMmaRows + warp * 16;
+
+  // The lane's weights, all loads issued before x is staged: rows row0 + g and row0 + g + 8,
+  // columns c0 + 32 s + 8 q .. + 7; zero past the rows and past H.
+  uint4 w[kSteps][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
+    const uint16_t* row = nullptr;
+    if (r < R) {
+      row = reinterpret_cast<const uint16_t*>(L.router.data) + r * H;
+    } else if (r >= gate_row && r < rows) {
+      row = L.shared_gate_bf16x3 + (r - gate_row) * H;
+    }
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t c = c0 + 32 * s + 8 * q;
+      w[s][h] = row != nullptr && c < H ? __ldg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  // x of the block's tokens over the slice, each value as three bf16 parts, in B fragment order:
+  // 8 columns (group cg of 32) of token tt go to tile tt / 8, step cg / 4, lane (tt % 8) * 4 + cg % 4.
+  for (int u = threadIdx.x; u < kTiles * 8 * 32; u += blockDim.x) {
+    const int tt = u / 32, cg = u % 32;
+    const int64_t t = t0 + tt, c = c0 + 8 * cg;
+    float v[8] = {};
+    const bool inside = t < n && c < H;
+    if (inside) {
+      const float4 a = *reinterpret_cast<const float4*>(x + t * H + c);
+      const float4 b = *reinterpret_cast<const float4*>(x + t * H + c + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    uint32_t parts[kParts][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float lo = v[2 * j], hi = v[2 * j + 1];
+#pragma unroll
+      for (int p = 0; p < kParts; ++p) {  // what is left after each part is exact in fp32
+        parts[p][j] = pack_bf16(lo, hi);
+        lo -= __uint_as_float(parts[p][j] << 16);
+        hi -= __uint_as_float(parts[p][j] & 0xFFFF0000u);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+      xs[tt / 8][cg / 4][p][(tt % 8) * 4 + cg % 4] = make_uint4(parts[p][0], parts[p][1], parts[p][2], parts[p][3]);
+    }
+    if (blockIdx.x == 0 && inside) {
+      *reinterpret_cast<uint4*>(ws.x_bf16 + t * H + c) = make_uint4(parts[0][0], parts[0][1], parts[0][2], parts[0][3]);
+    }
+  }
+  __syncthreads();
+
+  float acc[kTiles][4] = {};
+  if (row0 < rows) {
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const uint32_t first[4] = {w[s][0].x, w[s][1].x, w[s][0].y, w[s][1].y};
+      const uint32_t second[4] = {w[s][0].z, w[s][1].z, w[s][0].w, w[s][1].w};
+#pragma unroll
+      for (int tile = 0; tile < kTiles; ++tile) {
+#pragma unroll
+        for (int p = kParts - 1; p >= 0; --p) {  // the small parts first
+          const uint4 b = xs[tile][s][p][lane];
+          mma_bf16_16816(acc[tile], first, b.x, b.y);
+          mma_bf16_16816(acc[tile], second, b.z, b.w);
+        }
+      }
+    }
+  }
+  // This slice's sums: acc[tile][j] is row row0 + g + 8 (j / 2), token t0 + 8 tile + 2 q + j % 2.
+  const int64_t padded = static_cast<int64_t>(gridDim.x) * kRouterMmaRows;
+  float* slice = ws.router_partials + static_cast<int64_t>(blockIdx.z) * n * padded;
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t t = t0 + 8 * tile + 2 * q + j % 2;
+      if (t < n) slice[t * padded + row0 + g + 8 * (j / 2)] = acc[tile][j];
+    }
+  }
+
+  // The last block of this (row group, token group) to finish adds the slices up, in slice order.
+  __threadfence();  // this thread's sums, visible before the block counts itself done
+  __syncthreads();
+  int32_t* done = ws.router_slices_done + blockIdx.y * gridDim.x + blockIdx.x;
+  const bool mine = threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.z) - 1;
+  if (!__syncthreads_or(mine)) return;
+  __threadfence();
+  const int tokens = min(8 * kTiles, n - t0);
+  for (int i = threadIdx.x; i < kRouterMmaRows * tokens; i += blockDim.x) {
+    const int r = blockIdx.x * kRouterMmaRows + i % kRouterMmaRows;
+    const int64_t t = t0 + i / kRouterMmaRows;
+    if (r >= R && r != gate_row) continue;
+    float sum[kParts] = {};
+    const int part_rows = r == gate_row ? kParts : 1;
+#pragma unroll 4
+    for (int z = 0; z < static_cast<int>(gridDim.z); ++z) {
+      const float* p = ws.router_partials + (z * n + t) * padded + r;
+      for (int k = 0; k < part_rows; ++k) sum[k] += __ldcg(p + k);
+    }
+    if (r == gate_row) {
+      ws.shared_gate[t] = sigmoidf(sum[0] + sum[1] + sum[2]);
+    } else {
+      const float bias = L.router.bias != nullptr ? L.router.bias[r] : 0.0f;
+      ws.logits[t * R + r] = sum[0] + bias;
+    }
+  }
+  if (threadIdx.x == 0) *done = 0;  // ready for the next call
 }
 
 // Order bits of a float: for non-NaN a > b exactly when order_bits(a) > order_bits(b) as
@@ -947,7 +1080,18 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
                              cudaStream_t stream) {
   const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
   const int token_blocks = (n + kRouterTokens - 1) / kRouterTokens;
-  if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
+  if (router_uses_mma(L, n)) {
+    const int tiles = router_mma_tiles(n);
+    const dim3 grid(router_mma_row_groups(L.router_outputs, L.shared_gate), (n + 8 * tiles - 1) / (8 * tiles),
+                    router_mma_slices(L.hidden));
+    if (tiles == 1) {
+      moe_router_mma<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    } else if (tiles == 2) {
+      moe_router_mma<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    } else {
+      moe_router_mma<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    }
+  } else if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
     moe_router_logits_wide<<<dim3((rows + kRouterWideRows - 1) / kRouterWideRows, token_blocks), kRouterWarps * kWarp, 0,
                              stream>>>(L, x, n, ws);
   } else {

@@ -63,9 +63,14 @@ struct DevLayer {
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
+  int8_t router_mma = -1;  // router logits on the tensor cores (moe_router_mma): 1 forced, 0 forbidden, -1 chosen
+  int32_t router_mma_tokens = 0;  // calls of up to this many tokens may run moe_router_mma (0: none may)
   DevMatrix router;                          // [E + Z, H], bias = router bias
   const float* correction_bias_values = nullptr;  // [E + Z]
   const float* shared_gate_values = nullptr;      // [H]
+  // The shared gate vector as three bf16 rows (hi, mid, lo: g = hi + mid + lo to fp32's
+  // precision), the rows moe_router_mma computes its logit from; null without a shared gate.
+  const uint16_t* shared_gate_bf16x3 = nullptr;   // [3, H]
   const DevExpert* experts = nullptr;             // [E + has_shared], device memory
 };
 
@@ -102,6 +107,10 @@ struct DevWorkspace {
   int4* items = nullptr;         // [max_items] {expert, first index in route_list, routes, 0}
   int32_t* num_items = nullptr;  // [1]
   int32_t* route_blocks_done = nullptr;  // [1] zero between calls: the route kernel's finish line
+  // moe_router_mma: each block's fp32 sums over its slice of K, [slices, n, padded rows], and per
+  // (row group, token group) the count of slices done, zero between calls.
+  float* router_partials = nullptr;
+  int32_t* router_slices_done = nullptr;
 };
 
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
@@ -306,6 +315,34 @@ inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
   const int64_t blocks = static_cast<int64_t>((rows + kRouterWideRows - 1) / kRouterWideRows) *
                          ((n + kRouterTokens - 1) / kRouterTokens);
   return cols % 8 == 0 && 2 * blocks >= int64_t{3} * sm_count;
+}
+
+// The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
+// whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8,
+// 16 or 32 tokens over one slice of 256 columns of K, so the grid is (row groups, token groups,
+// slices). x is fp32 and the CUDA-core kernels keep it so; here each x value is split into three
+// bf16 parts (x = hi + mid + lo to fp32's precision), each multiplied exactly by the bf16 weights
+// and summed in fp32. The shared expert's gate vector (fp32) is split the same way at upload, into
+// three rows from a multiple of 4 past the router's (so all three fall in one row group). Each
+// block writes its slice's sums; the last block of a (row group, token group) adds the slices in
+// slice order (deterministic), the bias, and the gate's sigmoid.
+inline constexpr int kRouterMmaRows = 128;
+inline constexpr int kRouterMmaCols = 256;
+inline constexpr int kRouterMmaMaxTokens = 512;  // larger calls run the CUDA-core kernels
+__host__ __device__ constexpr int router_mma_gate_row(int outputs) { return (outputs + 3) / 4 * 4; }
+inline int router_mma_row_groups(int outputs, bool shared_gate) {
+  const int rows = shared_gate ? router_mma_gate_row(outputs) + 3 : outputs;
+  return (rows + kRouterMmaRows - 1) / kRouterMmaRows;
+}
+inline int router_mma_slices(int hidden) { return (hidden + kRouterMmaCols - 1) / kRouterMmaCols; }
+// Tokens per block: 8 x the MMA token tiles, 1, 2 or 4 by n.
+inline int router_mma_tiles(int n) { return n <= 8 ? 1 : (n <= 16 ? 2 : 4); }
+// Whether a call of n tokens runs moe_router_mma: forced, else from kRouterMmaFromTokens (where
+// it can run at all: L.router_mma_tokens).
+inline constexpr int kRouterMmaFromTokens = 16;
+inline bool router_uses_mma(const DevLayer& L, int n) {
+  if (n > L.router_mma_tokens || L.router_mma == 0) return false;
+  return L.router_mma == 1 || n >= kRouterMmaFromTokens;
 }
 
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
