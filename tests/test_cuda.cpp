@@ -256,8 +256,9 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
 //   124 (its gate rows 124-126, the first group's last whole ones), 64 + 8 zero experts
 //   (LongCat), 256 (two whole groups, DeepSeek-V3's grouped selection and correction bias), 40
 //   with a router bias (gpt-oss);
-// - N = 1, 7 (one tile of 8, part empty), 16 (two tiles), 17, 40 (four tiles, the last token
-//   group part full), 64.
+// - Qwen3-Next's router itself (512 rows + the gate, hidden 2048), where N = 64 and 128 run 16
+//   and 32 tokens per block (router_mma_tiles: the small shapes' grids run 8);
+// - N = 1, 7 (a token group part empty), 16, 17, 40, 64, 128.
 TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
   const std::vector<std::pair<Family, FamilyShape>> shapes = {
       {Family::kQwen3Next, {.hidden = 264, .intermediate = 64, .num_experts = 125, .top_k = 6, .shared_intermediate = 64}},
@@ -266,13 +267,16 @@ TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
       {Family::kDeepseekV3, {.hidden = 1032, .intermediate = 32, .num_experts = 256, .top_k = 8, .shared_intermediate = 32,
                              .routed_scaling_factor = 2.5, .n_group = 8, .topk_group = 4}},
       {Family::kGptOss, {.hidden = 264, .intermediate = 32, .num_experts = 40, .top_k = 4}},
+      {Family::kQwen3Next, {.hidden = 2048, .intermediate = 32, .num_experts = 512, .top_k = 2, .shared_intermediate = 32}},
   };
+  int sm_count = 0;  // the tokens per block below are the 132-SM GPUs' (H100 SXM, H200)
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   int checked = 0;
   for (const auto& [family, shape] : shapes) {
     const LayerDesc d = family_layer(family, shape);
     const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 21));
     const int64_t h = d.hidden;
-    for (const int64_t n : {1, 7, 16, 17, 40, 64}) {
+    for (const int64_t n : {1, 7, 16, 17, 40, 64, 128}) {
       const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 3);
       std::vector<float> expected(tokens.size());
       ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
@@ -284,6 +288,12 @@ TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
         const std::string what = fmt::format("{}, n {}, router {}", describe_shape(d), n, mma ? "mma" : "fma");
         const std::string config = moe->call_config(n);
         EXPECT_NE(config.find(mma ? "; router mma" : "; router fma"), std::string::npos) << what << ": " << config;
+        // Qwen3-Next's router shape (5 row groups x 8 slices) fills the GPU with 8 tokens per
+        // block at N = 32, 16 at 64 and 32 at 128; the small shapes run 8.
+        const int per_block = d.hidden == 2048 && n >= 64 ? static_cast<int>(n) / 4 : 8;
+        if (mma && sm_count == 132) {
+          EXPECT_NE(config.find(fmt::format("({} tokens/block)", per_block)), std::string::npos) << what << ": " << config;
+        }
         out.poison();
         ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -299,7 +309,7 @@ TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
       }
     }
   }
-  EXPECT_EQ(checked, 5 * 6 * 2);
+  EXPECT_EQ(checked, 6 * 7 * 2);
 }
 
 // The tensor-core router in a CUDA graph: its per-(row group, token group) counters must be back
@@ -684,6 +694,23 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_FALSE(cuda::router_logits_wide(128, 2048, 128, 132));  // 8 x 16
   EXPECT_TRUE(cuda::router_logits_wide(128, 2048, 256, 132));   // 8 x 32
   EXPECT_FALSE(cuda::router_logits_wide(513, 2044, 256, 132));  // rows not whole 8-column loads
+  // The tensor-core router: qwen3-next's 512 rows and the gate's 3 from row 512 are 5 groups of
+  // 128, qwen3-30b's 1, DeepSeek-V3's 256 rows 2; K slices of 256 columns: 8, 8 and 28.
+  EXPECT_EQ(cuda::router_mma_row_groups(512, true), 5);
+  EXPECT_EQ(cuda::router_mma_row_groups(128, false), 1);
+  EXPECT_EQ(cuda::router_mma_row_groups(126, true), 2);  // gate rows 128-130: the second group
+  EXPECT_EQ(cuda::router_mma_row_groups(124, true), 1);  // gate rows 124-126
+  EXPECT_EQ(cuda::router_mma_slices(7168), 28);
+  EXPECT_EQ(cuda::router_mma_slices(2056), 9);
+  // Tokens per block (8 x tiles): 32 where the grid still fills the 132 SMs, else fewer.
+  EXPECT_EQ(cuda::router_mma_tiles(256, 5, 8, 132), 4);  // 5 x 8 x 8 blocks
+  EXPECT_EQ(cuda::router_mma_tiles(128, 5, 8, 132), 4);  // 5 x 4 x 8
+  EXPECT_EQ(cuda::router_mma_tiles(64, 5, 8, 132), 2);   // 5 x 2 x 8 = 80 at 4; 160 at 2
+  EXPECT_EQ(cuda::router_mma_tiles(32, 5, 8, 132), 1);   // 80 at 2
+  EXPECT_EQ(cuda::router_mma_tiles(256, 1, 8, 132), 1);  // qwen3-30b: 128 blocks at 2
+  EXPECT_EQ(cuda::router_mma_tiles(512, 1, 8, 132), 2);  // 256 at 2
+  EXPECT_EQ(cuda::router_mma_tiles(256, 2, 28, 132), 4);
+  EXPECT_EQ(cuda::router_mma_tiles(16, 2, 28, 132), 1);  // never below one tile, filled or not
   // Blend grids of 8 blocks per token (H = 2048) at 3 resident blocks per SM.
   EXPECT_TRUE(cuda::blend_loads_first(8 * 49, 3, 132));
   EXPECT_FALSE(cuda::blend_loads_first(8 * 50, 3, 132));

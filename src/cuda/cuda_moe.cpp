@@ -126,8 +126,14 @@ CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoe::~CudaMoe() = default;
 std::string CudaMoe::call_config(int64_t n) const {
   const cuda::DevLayer& L = impl_->dev;
-  // The router's kernel: on the tensor cores or the CUDA cores (FMA).
-  const std::string router = cuda::router_uses_mma(L, static_cast<int>(n)) ? "router mma" : "router fma";
+  // The router's kernel: on the tensor cores (with its tokens per block) or the CUDA cores (FMA).
+  const std::string router =
+      cuda::router_uses_mma(L, static_cast<int>(n))
+          ? fmt::format("router mma ({} tokens/block)",
+                        8 * cuda::router_mma_tiles(static_cast<int>(n),
+                                                   cuda::router_mma_row_groups(L.router_outputs, L.shared_gate),
+                                                   cuda::router_mma_slices(L.hidden), L.sm_count))
+          : std::string("router fma");
   const PathKind path = impl_->plan.path_for(n);
   if (path != PathKind::kExpertMajor) return fmt::format("{}; {}", path_name(path), router);
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));

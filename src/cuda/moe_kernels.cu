@@ -413,20 +413,27 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
 
   // x of the block's tokens over the slice, each value as three bf16 parts, in B fragment order:
   // 8 columns (group cg of 32) of token tt go to tile tt / 8, step cg / 4, lane (tt % 8) * 4 + cg % 4.
-  for (int u = threadIdx.x; u < kTiles * 8 * 32; u += blockDim.x) {
-    const int tt = u / 32, cg = u % 32;
-    const int64_t t = t0 + tt, c = c0 + 8 * cg;
-    float v[8] = {};
-    const bool inside = t < n && c < H;
-    if (inside) {
-      const float4 a = *reinterpret_cast<const float4*>(x + t * H + c);
-      const float4 b = *reinterpret_cast<const float4*>(x + t * H + c + 4);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  // Thread u takes units u + 256 i (i < kTiles): token u / 32 + 8 i, group u % 32; all its loads first.
+  const int cg = threadIdx.x % 32;
+  const int64_t c = c0 + 8 * cg;
+  float4 v[kTiles][2];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int64_t t = t0 + threadIdx.x / 32 + 8 * i;
+    v[i][0] = v[i][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (t < n && c < H) {
+      v[i][0] = *reinterpret_cast<const float4*>(x + t * H + c);
+      v[i][1] = *reinterpret_cast<const float4*>(x + t * H + c + 4);
     }
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tt = threadIdx.x / 32 + 8 * i;
+    const float e[8] = {v[i][0].x, v[i][0].y, v[i][0].z, v[i][0].w, v[i][1].x, v[i][1].y, v[i][1].z, v[i][1].w};
     uint32_t parts[kParts][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float lo = v[2 * j], hi = v[2 * j + 1];
+      float lo = e[2 * j], hi = e[2 * j + 1];
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {  // what is left after each part is exact in fp32
         parts[p][j] = pack_bf16(lo, hi);
@@ -438,13 +445,17 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
     for (int p = 0; p < kParts; ++p) {
       xs[tt / 8][cg / 4][p][(tt % 8) * 4 + cg % 4] = make_uint4(parts[p][0], parts[p][1], parts[p][2], parts[p][3]);
     }
-    if (blockIdx.x == 0 && inside) {
-      *reinterpret_cast<uint4*>(ws.x_bf16 + t * H + c) = make_uint4(parts[0][0], parts[0][1], parts[0][2], parts[0][3]);
+    if (blockIdx.x == 0 && t0 + tt < n && c < H) {
+      *reinterpret_cast<uint4*>(ws.x_bf16 + (t0 + tt) * H + c) =
+          make_uint4(parts[0][0], parts[0][1], parts[0][2], parts[0][3]);
     }
   }
   __syncthreads();
 
-  float acc[kTiles][4] = {};
+  // Below 4 tiles one accumulator per part, so that there are more chains of MMAs than tiles (with
+  // 4, those would take the registers of a second block per SM); the parts added small first.
+  constexpr int kChains = kTiles == 4 ? 1 : kParts;
+  float acc[kTiles][kChains][4] = {};
   if (row0 < rows) {
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
@@ -453,15 +464,15 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
 #pragma unroll
       for (int tile = 0; tile < kTiles; ++tile) {
 #pragma unroll
-        for (int p = kParts - 1; p >= 0; --p) {  // the small parts first
+        for (int p = 0; p < kParts; ++p) {
           const uint4 b = xs[tile][s][p][lane];
-          mma_bf16_16816(acc[tile], first, b.x, b.y);
-          mma_bf16_16816(acc[tile], second, b.z, b.w);
+          mma_bf16_16816(acc[tile][p % kChains], first, b.x, b.y);
+          mma_bf16_16816(acc[tile][p % kChains], second, b.z, b.w);
         }
       }
     }
   }
-  // This slice's sums: acc[tile][j] is row row0 + g + 8 (j / 2), token t0 + 8 tile + 2 q + j % 2.
+  // This slice's sums: acc[tile][.][j] is row row0 + g + 8 (j / 2), token t0 + 8 tile + 2 q + j % 2.
   const int64_t padded = static_cast<int64_t>(gridDim.x) * kRouterMmaRows;
   float* slice = ws.router_partials + static_cast<int64_t>(blockIdx.z) * n * padded;
 #pragma unroll
@@ -469,7 +480,10 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t t = t0 + 8 * tile + 2 * q + j % 2;
-      if (t < n) slice[t * padded + row0 + g + 8 * (j / 2)] = acc[tile][j];
+      float sum = 0.0f;
+#pragma unroll
+      for (int p = kChains - 1; p >= 0; --p) sum += acc[tile][p][j];
+      if (t < n) slice[t * padded + row0 + g + 8 * (j / 2)] = sum;
     }
   }
 
@@ -481,23 +495,45 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   if (!__syncthreads_or(mine)) return;
   __threadfence();
   const int tokens = min(8 * kTiles, n - t0);
-  for (int i = threadIdx.x; i < kRouterMmaRows * tokens; i += blockDim.x) {
-    const int r = blockIdx.x * kRouterMmaRows + i % kRouterMmaRows;
-    const int64_t t = t0 + i / kRouterMmaRows;
-    if (r >= R && r != gate_row) continue;
-    float sum[kParts] = {};
-    const int part_rows = r == gate_row ? kParts : 1;
+  const int slices = static_cast<int>(gridDim.z);
+  const int64_t slice_stride = n * padded;
+  // Router rows: item i is row 128 bx + i % 128, token t0 + i / 128; kTiles x 4 items per thread,
+  // all their slices' loads in flight together.
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRouterMmaRows;
+  int64_t at[4 * kTiles];
+  float sum[4 * kTiles];
+#pragma unroll
+  for (int k = 0; k < 4 * kTiles; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    at[k] = i / kRouterMmaRows < tokens && first_row + i % kRouterMmaRows < R
+                ? (t0 + i / kRouterMmaRows) * padded + first_row + i % kRouterMmaRows
+                : -1;
+    sum[k] = 0.0f;
+  }
 #pragma unroll 4
-    for (int z = 0; z < static_cast<int>(gridDim.z); ++z) {
-      const float* p = ws.router_partials + (z * n + t) * padded + r;
-      for (int k = 0; k < part_rows; ++k) sum[k] += __ldcg(p + k);
+  for (int z = 0; z < slices; ++z) {
+#pragma unroll
+    for (int k = 0; k < 4 * kTiles; ++k) {
+      if (at[k] >= 0) sum[k] += __ldcg(ws.router_partials + z * slice_stride + at[k]);
     }
-    if (r == gate_row) {
-      ws.shared_gate[t] = sigmoidf(sum[0] + sum[1] + sum[2]);
-    } else {
-      const float bias = L.router.bias != nullptr ? L.router.bias[r] : 0.0f;
-      ws.logits[t * R + r] = sum[0] + bias;
+  }
+#pragma unroll
+  for (int k = 0; k < 4 * kTiles; ++k) {
+    if (at[k] < 0) continue;
+    const int64_t t = at[k] / padded;
+    const int r = static_cast<int>(at[k] % padded);
+    const float bias = L.router.bias != nullptr ? L.router.bias[r] : 0.0f;
+    ws.logits[t * R + r] = sum[k] + bias;
+  }
+  // The shared gate, where its three rows are in this group: thread tt < tokens for token t0 + tt.
+  if (gate_row / kRouterMmaRows == static_cast<int>(blockIdx.x) && threadIdx.x < tokens) {
+    const int64_t t = t0 + threadIdx.x;
+    float part[kParts] = {};
+    for (int z = 0; z < slices; ++z) {
+#pragma unroll
+      for (int p = 0; p < kParts; ++p) part[p] += __ldcg(ws.router_partials + z * slice_stride + t * padded + gate_row + p);
     }
+    ws.shared_gate[t] = sigmoidf(part[2] + part[1] + part[0]);
   }
   if (threadIdx.x == 0) *done = 0;  // ready for the next call
 }
@@ -1081,9 +1117,9 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
   const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
   const int token_blocks = (n + kRouterTokens - 1) / kRouterTokens;
   if (router_uses_mma(L, n)) {
-    const int tiles = router_mma_tiles(n);
-    const dim3 grid(router_mma_row_groups(L.router_outputs, L.shared_gate), (n + 8 * tiles - 1) / (8 * tiles),
-                    router_mma_slices(L.hidden));
+    const int groups = router_mma_row_groups(L.router_outputs, L.shared_gate), slices = router_mma_slices(L.hidden);
+    const int tiles = router_mma_tiles(n, groups, slices, L.sm_count);
+    const dim3 grid(groups, (n + 8 * tiles - 1) / (8 * tiles), slices);
     if (tiles == 1) {
       moe_router_mma<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
     } else if (tiles == 2) {

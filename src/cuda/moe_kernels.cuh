@@ -319,8 +319,8 @@ inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
 
 // The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
 // whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8,
-// 16 or 32 tokens over one slice of 256 columns of K, so the grid is (row groups, token groups,
-// slices). x is fp32 and the CUDA-core kernels keep it so; here each x value is split into three
+// 16 or 32 tokens (router_mma_tiles) over one slice of 256 columns of K, so the grid is (row
+// groups, token groups, slices). x is fp32 and the CUDA-core kernels keep it so; here each x value is split into three
 // bf16 parts (x = hi + mid + lo to fp32's precision), each multiplied exactly by the bf16 weights
 // and summed in fp32. The shared expert's gate vector (fp32) is split the same way at upload, into
 // three rows from a multiple of 4 past the router's (so all three fall in one row group). Each
@@ -335,8 +335,14 @@ inline int router_mma_row_groups(int outputs, bool shared_gate) {
   return (rows + kRouterMmaRows - 1) / kRouterMmaRows;
 }
 inline int router_mma_slices(int hidden) { return (hidden + kRouterMmaCols - 1) / kRouterMmaCols; }
-// Tokens per block: 8 x the MMA token tiles, 1, 2 or 4 by n.
-inline int router_mma_tiles(int n) { return n <= 8 ? 1 : (n <= 16 ? 2 : 4); }
+// Tokens per block: 8 x the MMA token tiles, 4, or fewer where the grid would leave SMs idle
+// (the weights are then read more times, from L2, and each block's share of the slices' sum is
+// smaller: that sum, by the group's last block, is the kernel's tail).
+inline int router_mma_tiles(int n, int row_groups, int slices, int sm_count) {
+  int tiles = 4;
+  while (tiles > 1 && int64_t{row_groups} * ((n + 8 * tiles - 1) / (8 * tiles)) * slices < sm_count) tiles /= 2;
+  return tiles;
+}
 // Whether a call of n tokens runs moe_router_mma: forced, else from kRouterMmaFromTokens (where
 // it can run at all: L.router_mma_tokens).
 inline constexpr int kRouterMmaFromTokens = 16;
