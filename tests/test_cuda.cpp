@@ -312,18 +312,17 @@ TEST_F(Cuda, RouterOnTensorCoresMatchesTheCudaCoreRouter) {
   EXPECT_EQ(checked, 6 * 7 * 2);
 }
 
-// The tensor-core router in a CUDA graph: its per-(row group, token group) counters must be back
-// at zero after each call, or a replay's last block would not add the slices up. Each replay,
-// with new tokens, matches an eager call bit for bit and the reference. By default it runs from
-// 16 tokens, up to 512; forced on, from 1.
+// The tensor-core router (forced) in a CUDA graph: its per-(row group, token group) counters must
+// be back at zero after each call, or a replay's last block would not add the slices up. Each
+// replay, with new tokens, matches an eager call bit for bit and the reference. Forced, it runs
+// up to 512 tokens.
 TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
   const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 512, .intermediate = 64, .num_experts = 130, .top_k = 8,
                                                         .shared_intermediate = 64});
   const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 5));
   const int64_t n = 24, h = d.hidden;
-  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
+  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, router_options(true)));
   EXPECT_NE(moe->call_config(n).find("; router mma"), std::string::npos) << moe->call_config(n);
-  EXPECT_NE(moe->call_config(15).find("; router fma"), std::string::npos) << moe->call_config(15);
   DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -711,6 +710,27 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_EQ(cuda::router_mma_tiles(512, 1, 8, 132), 2);  // 256 at 2
   EXPECT_EQ(cuda::router_mma_tiles(256, 2, 28, 132), 4);
   EXPECT_EQ(cuda::router_mma_tiles(16, 2, 28, 132), 1);  // never below one tile, filled or not
+  // By default from 16 tokens where 8 tokens per block make 3/8 of a block per SM (49.5 on 132).
+  cuda::DevLayer qwen30;
+  qwen30.hidden = 2048, qwen30.router_outputs = 128, qwen30.sm_count = 132, qwen30.router_mma_tokens = 512;
+  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 32));  // 1 x 4 x 8 blocks
+  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 48));  // 48
+  EXPECT_TRUE(cuda::router_uses_mma(qwen30, 49));   // 56
+  EXPECT_TRUE(cuda::router_uses_mma(qwen30, 256));
+  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 513));  // past the workspace it was given
+  cuda::DevLayer next = qwen30;
+  next.router_outputs = 512, next.shared_gate = true;
+  EXPECT_FALSE(cuda::router_uses_mma(next, 15));  // 5 x 2 x 8 blocks, but under 16 tokens
+  EXPECT_TRUE(cuda::router_uses_mma(next, 16));
+  cuda::DevLayer ds = qwen30;
+  ds.hidden = 7168, ds.router_outputs = 256;
+  EXPECT_TRUE(cuda::router_uses_mma(ds, 16));  // 2 x 2 x 28
+  ds.router_mma = 1;
+  EXPECT_TRUE(cuda::router_uses_mma(ds, 1));
+  ds.router_mma_tokens = 0;  // not a BF16 router
+  EXPECT_FALSE(cuda::router_uses_mma(ds, 16));
+  next.router_mma = 0;
+  EXPECT_FALSE(cuda::router_uses_mma(next, 256));
   // Blend grids of 8 blocks per token (H = 2048) at 3 resident blocks per SM.
   EXPECT_TRUE(cuda::blend_loads_first(8 * 49, 3, 132));
   EXPECT_FALSE(cuda::blend_loads_first(8 * 50, 3, 132));

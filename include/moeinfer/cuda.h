@@ -42,8 +42,9 @@ struct CudaMoeOptions {
   std::optional<int> staged_ahead = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
-  // forbids them; nullopt runs them from 16 tokens. They need a BF16 router whose rows are a
-  // multiple of 8 columns: forcing them on another is refused at create.
+  // forbids them; nullopt runs them from 16 tokens where their grid holds 3/8 of a block per SM.
+  // They need a BF16 router whose rows are a multiple of 8 columns: forcing them on another is
+  // refused at create.
   std::optional<bool> router_mma = std::nullopt;
 };
 

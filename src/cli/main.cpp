@@ -507,7 +507,8 @@ int main(int argc, char** argv) {
                         "two in layers with NVFP4 experts (auto), or 1 or 2 forced")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
-                        "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens (auto), "
+                        "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "
+                        "their grid fills 3/8 of the SMs (auto), "
                         "or forced on or off")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(

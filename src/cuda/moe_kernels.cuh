@@ -343,12 +343,19 @@ inline int router_mma_tiles(int n, int row_groups, int slices, int sm_count) {
   while (tiles > 1 && int64_t{row_groups} * ((n + 8 * tiles - 1) / (8 * tiles)) * slices < sm_count) tiles /= 2;
   return tiles;
 }
-// Whether a call of n tokens runs moe_router_mma: forced, else from kRouterMmaFromTokens (where
-// it can run at all: L.router_mma_tokens).
+// Whether a call of n tokens runs moe_router_mma (where it can run at all: L.router_mma_tokens):
+// forced, else from 16 tokens where its grid at 8 tokens per block holds 3/8 of a block per SM.
+// Measured on the H200 against the CUDA-core kernels (docs/PERF.md v3.15): qwen3-30b (1 row group
+// x 8 slices) 0.988x at N = 16 (16 blocks), 0.999x at 32 (32), 1.019x at 64 (64), 1.06x at
+// 128-256; qwen3-next (5 x 8) 1.015x at N = 16 (80 blocks) to 1.11x at 256; forced at N = 1-8,
+// 0.94-0.99x.
 inline constexpr int kRouterMmaFromTokens = 16;
 inline bool router_uses_mma(const DevLayer& L, int n) {
   if (n > L.router_mma_tokens || L.router_mma == 0) return false;
-  return L.router_mma == 1 || n >= kRouterMmaFromTokens;
+  if (L.router_mma == 1) return true;
+  const int64_t blocks = int64_t{router_mma_row_groups(L.router_outputs, L.shared_gate)} * ((n + 7) / 8) *
+                         router_mma_slices(L.hidden);
+  return n >= kRouterMmaFromTokens && 8 * blocks >= int64_t{3} * L.sm_count;
 }
 
 // Router logits, then the selection of every token; with group > 0 also the expert-major work
