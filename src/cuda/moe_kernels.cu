@@ -412,8 +412,9 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   }
 
   // x of the block's tokens over the slice, each value as three bf16 parts, in B fragment order:
-  // 8 columns (group cg of 32) of token tt go to tile tt / 8, step cg / 4, lane (tt % 8) * 4 + cg % 4.
-  // Thread u takes units u + 256 i (i < kTiles): token u / 32 + 8 i, group u % 32; all its loads first.
+  // 8 columns (group cg of 32) of token tt go to tile tt / 8, step cg / 4, lane
+  // (tt % 8) * 4 + cg % 4. Thread u takes token u / 32 + 8 i (i < kTiles), group u % 32, and issues
+  // all its loads first.
   const int cg = threadIdx.x % 32;
   const int64_t c = c0 + 8 * cg;
   float4 v[kTiles][2];
@@ -453,7 +454,7 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   __syncthreads();
 
   // Below 4 tiles one accumulator per part, so that there are more chains of MMAs than tiles (with
-  // 4, those would take the registers of a second block per SM); the parts added small first.
+  // 4, those would take the registers of a second block per SM); their sums added small first.
   constexpr int kChains = kTiles == 4 ? 1 : kParts;
   float acc[kTiles][kChains][4] = {};
   if (row0 < rows) {
