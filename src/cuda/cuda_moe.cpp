@@ -294,12 +294,13 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   if (d.shared_gate) {
     // The gate vector in three bf16 rows for the tensor-core router: each part what the ones
     // before it left of g, so that hi + mid + lo = g to fp32's precision.
-    std::vector<uint16_t> parts(3 * static_cast<size_t>(d.hidden));
-    for (size_t c = 0; c < layer.shared_gate.size(); ++c) {
+    const size_t h = layer.shared_gate.size();  // = hidden (layer.check())
+    std::vector<uint16_t> parts(3 * h);
+    for (size_t c = 0; c < h; ++c) {
       float left = layer.shared_gate[c];
       for (size_t p = 0; p < 3; ++p) {
-        parts[p * layer.shared_gate.size() + c] = bf16_from_float(left);
-        left -= bf16_to_float(parts[p * layer.shared_gate.size() + c]);
+        parts[p * h + c] = bf16_from_float(left);
+        left -= bf16_to_float(parts[p * h + c]);
       }
     }
     Result<const uint16_t*> split = impl->weights.upload(parts);

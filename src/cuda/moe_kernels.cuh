@@ -204,9 +204,10 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // weights), and the path between L2 and the SMs, not DRAM, has bounded these kernels
 // (docs/PERF.md, "Where the gap comes from"). The two-pass kernels take the registers of the
 // one-pass ones (71 / 115 against 70 / 114 at one / two token tiles); the four-pass ones choose
-// the expert's K loop once per block, outside the passes, and take 64 / 114. gate_up makes one pass: its activations are half its weight bytes
-// at most, and forced to two or four passes (128 / 123 registers at one tile, 168 at two) it ran
-// 0.75-1.00x at qwen3 N = 16-256 (docs/PERF.md v3.13).
+// the expert's K loop once per block, outside the passes, and take 64 / 114. gate_up makes one
+// pass: its activations are half its weight bytes at most, and forced to two or four passes
+// (128 / 123 registers at one tile, 168 at two) it ran 0.75-1.00x at qwen3 N = 16-256
+// (docs/PERF.md v3.13).
 //
 // Measured on the H200, both routings: two passes against one (docs/PERF.md v3.12) 1.01-1.05x
 // wherever the two-pass grid held 28 blocks per SM or more (qwen3-30b N = 128-256, qwen3-next
@@ -320,12 +321,12 @@ inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
 // The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
 // whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8,
 // 16 or 32 tokens (router_mma_tiles) over one slice of 256 columns of K, so the grid is (row
-// groups, token groups, slices). x is fp32 and the CUDA-core kernels keep it so; here each x value is split into three
-// bf16 parts (x = hi + mid + lo to fp32's precision), each multiplied exactly by the bf16 weights
-// and summed in fp32. The shared expert's gate vector (fp32) is split the same way at upload, into
-// three rows from a multiple of 4 past the router's (so all three fall in one row group). Each
-// block writes its slice's sums; the last block of a (row group, token group) adds the slices in
-// slice order (deterministic), the bias, and the gate's sigmoid.
+// groups, token groups, slices). x is fp32 and the CUDA-core kernels keep it so; here each x
+// value is split into three bf16 parts (x = hi + mid + lo to fp32's precision), each multiplied
+// exactly by the bf16 weights and summed in fp32. The shared expert's gate vector (fp32) is split
+// the same way at upload, into three rows from a multiple of 4 past the router's (so all three
+// fall in one row group). Each block writes its slice's sums; the last block of a (row group,
+// token group) adds the slices in slice order (deterministic), the bias, and the gate's sigmoid.
 inline constexpr int kRouterMmaRows = 128;
 inline constexpr int kRouterMmaCols = 256;
 inline constexpr int kRouterMmaMaxTokens = 512;  // larger calls run the CUDA-core kernels
