@@ -363,6 +363,113 @@ TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
                          "loads 8 weights at a time)");
 }
 
+// Weight tiles move bytes, never values: every path must give, bit for bit, what it gives on the
+// checkpoint's row-major layout, in every format, for each GEMM whether or not its matrix is whole
+// tiles. Shapes:
+// - qwen3-next-like, hidden 384, intermediate 256, shared 128: every matrix tiles;
+// - DeepSeek-V3-like (grouped selection, shared expert), intermediate 96: gate and up tile (96
+//   rows of 384 columns), down only in BF16 (rows of 96 columns: 48 bytes in NVFP4, 96 in FP8,
+//   192 in BF16);
+// - hidden 1024, intermediate 512: the staged kernels' two-ahead loop and the split-K kernels over
+//   several tiles per row, at N up to 40 (two token tiles where they run);
+// - the ragged shape (hidden 272): nothing tiles, and "on" must leave it row-major.
+// Paths: expert-major by default, forced staged and forced split-K, token-major and per-row (the
+// latter two read tiles only where forced on).
+TEST_F(Cuda, WeightTilesChangeNoBit) {
+  const LayerDesc qwen = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 8,
+                                                           .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc deepseek = family_layer(Family::kDeepseekV3, {.hidden = 384, .intermediate = 96, .num_experts = 16,
+                                                                .top_k = 4, .shared_intermediate = 96,
+                                                                .routed_scaling_factor = 2.5});
+  const LayerDesc wide = family_layer(Family::kQwen3Next, {.hidden = 1024, .intermediate = 512, .num_experts = 8,
+                                                           .top_k = 4, .shared_intermediate = 512});
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 8,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  struct Forced {
+    std::optional<PathKind> path;
+    std::optional<bool> staged;
+    const char* name;
+  };
+  const Forced forced[] = {{std::nullopt, std::nullopt, "default"},
+                           {PathKind::kExpertMajor, true, "expert-major staged"},
+                           {PathKind::kExpertMajor, false, "expert-major split-K"},
+                           {PathKind::kTokenMajor, std::nullopt, "token-major"},
+                           {PathKind::kPerRow, std::nullopt, "per-row"}};
+  int compared = 0, tiled_runs = 0;
+  for (const LayerDesc& d : {qwen, deepseek, wide, ragged}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 5));
+      // The matrices each layout should hold in tiles: gate and up together, down on its own.
+      const auto row_bytes = [&](int64_t cols) {
+        return spec.format == WeightFormat::kNVFP4 ? cols / 2 : (spec.format == WeightFormat::kFP8 ? cols : 2 * cols);
+      };
+      const auto fits = [&](int64_t rows, int64_t cols) { return rows % 16 == 0 && row_bytes(cols) % 64 == 0; };
+      const auto tiled_in = [&](int64_t inter) {
+        return 2 * int{fits(inter, d.hidden)} + int{fits(d.hidden, inter)};
+      };
+      const int all = 3 * (d.num_experts + 1);
+      const int tiled = d.num_experts * tiled_in(d.intermediate) + tiled_in(d.shared_intermediate);
+      const std::string layout = tiled == 0     ? std::string("; row-major weights;")
+                                 : tiled == all ? std::string("; weight tiles;")
+                                                : fmt::format("; weight tiles ({} of {} matrices);", tiled, all);
+      for (const int64_t n : {1, 5, 24, 40}) {
+        const int64_t h = d.hidden;
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(make_tokens(n, h, static_cast<uint64_t>(n) + 3));
+        for (const Forced& f : forced) {
+          std::vector<float> row_major;
+          for (const bool tiles : {false, true}) {
+            const CudaMoeOptions options{.path = f.path, .rank = 0, .ranks = 1, .staged = f.staged, .weight_tiles = tiles};
+            const std::string what = fmt::format("H {}, I {}, {}, n {}, {}, tiles {}", h, d.intermediate,
+                                                 quant_spec_name(spec), n, f.name, tiles);
+            Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(layer, n, options);
+            if (!made.ok()) {  // token-major refuses the ragged shape, with or without tiles
+              ASSERT_TRUE(f.path == PathKind::kTokenMajor && d.hidden == 272) << what << ": " << made.status().message();
+              continue;
+            }
+            const std::unique_ptr<CudaMoe> moe = std::move(made).value();
+            const std::string config = moe->call_config(n);
+            EXPECT_NE(config.find(tiles ? layout : std::string("; row-major weights;")), std::string::npos)
+                << what << ": " << config;
+            out.poison();
+            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<float> got = out.get();
+            ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+            if (!tiles) {
+              row_major = got;
+              continue;
+            }
+            EXPECT_EQ(std::memcmp(got.data(), row_major.data(), got.size() * sizeof(float)), 0) << what;
+            ++compared;
+            tiled_runs += tiled > 0;
+          }
+        }
+      }
+    }
+  }
+  // 4 shapes x 4 formats x 4 N x 5 paths, less token-major on the ragged shape (4 formats x 4 N).
+  EXPECT_EQ(compared, 4 * 4 * 4 * 5 - 16);
+  EXPECT_GT(tiled_runs, compared / 2);
+}
+
+// By default the experts are tiled where every call runs expert-major (the presets' shapes tile
+// whole), and left row-major where the caller forces another path.
+TEST_F(Cuda, WeightTilesByDefaultOnlyUnderExpertMajor) {
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 8, .top_k = 2,
+                                                        .shared_intermediate = 128});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 2));
+  const std::unique_ptr<CudaMoe> chosen = take(CudaMoe::create(layer, 4));
+  EXPECT_EQ(chosen->plan().path, PathKind::kExpertMajor);
+  EXPECT_NE(chosen->call_config(4).find("; weight tiles;"), std::string::npos) << chosen->call_config(4);
+  for (const PathKind path : {PathKind::kTokenMajor, PathKind::kPerRow}) {
+    const std::unique_ptr<CudaMoe> forced = take(CudaMoe::create(layer, 4, path));
+    EXPECT_NE(forced->call_config(4).find("; row-major weights;"), std::string::npos) << forced->call_config(4);
+  }
+}
+
 // ---- expert parallelism ---------------------------------------------------------------------
 
 using testing::EpCase;
@@ -478,10 +585,6 @@ TEST_F(CudaEp, BadRankIsANamedError) {
             "expert parallelism: rank 0 of 0 ranks");
 }
 
-// The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;
-// the device may produce any grouping. Every routing must fit: count the items the device's
-// grouping makes (one per `group` routes of an expert) for adversarial and random routings.
-// Host-only: runs without a GPU.
 // The default choice between the expert-major kernels: staged only at one or two token tiles,
 // and then once the grid holds 8 blocks per SM, the call 32 work items and the activations of K
 // columns fit shared memory whole (48 KB); forcing overrides the last three conditions but not
@@ -737,6 +840,43 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_FALSE(cuda::blend_loads_first(8, 0, 132));  // no occupancy known: the loop
 }
 
+// The tile layout (cuda/weight_tiles.h) is a permutation of the matrix's bytes that keeps each
+// 16-byte load whole, puts a tile's 16 rows x 64 bytes in one 1 KB run, and orders a panel's
+// tiles along K. Host-only: runs without a GPU.
+TEST(WeightTiles, OffsetsPermuteTheMatrixInWholeTiles) {
+  for (const auto& [rows, row_bytes] : {std::pair<int64_t, int64_t>{16, 64}, {32, 192}, {48, 1024}, {96, 3584}}) {
+    ASSERT_TRUE(cuda::tiles_fit(rows, row_bytes));
+    std::vector<int> seen(static_cast<size_t>(rows * row_bytes), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < row_bytes; ++b) {
+        const int64_t at = cuda::tiled_offset(r, b, row_bytes);
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, rows * row_bytes);
+        ++seen[static_cast<size_t>(at)];
+        // Within a 16-byte unit the bytes stay in order; a tile's rows are 64 bytes apart.
+        if (b % 16 != 0) {
+          ASSERT_EQ(at, cuda::tiled_offset(r, b - 1, row_bytes) + 1);
+        }
+        if (r % 16 != 0) {
+          ASSERT_EQ(at, cuda::tiled_offset(r - 1, b, row_bytes) + 64);
+        }
+      }
+    }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; })) << rows << " x " << row_bytes;
+    // Tile t of panel p starts at (p x tiles per panel + t) KB.
+    const int64_t per_panel = row_bytes / 64;
+    EXPECT_EQ(cuda::tiled_offset(16, 0, row_bytes), per_panel * 1024);
+    EXPECT_EQ(cuda::tiled_offset(15, row_bytes - 1, row_bytes), per_panel * 1024 - 1);
+  }
+  EXPECT_FALSE(cuda::tiles_fit(8, 64));    // half a tile's rows
+  EXPECT_FALSE(cuda::tiles_fit(16, 96));   // a tile and a half along K
+  EXPECT_FALSE(cuda::tiles_fit(0, 64));
+}
+
+// The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;
+// the device may produce any grouping. Every routing must fit: count the items the device's
+// grouping makes (one per `group` routes of an expert) for adversarial and random routings.
+// Host-only: runs without a GPU.
 TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
   std::mt19937 rng(5);
   int cases = 0;

@@ -47,6 +47,8 @@ struct BenchConfig {
   std::optional<int> staged_ahead;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
   std::optional<bool> router_mma;
+  // Expert weights in tiles where they fit, forced on or off (CudaMoeOptions::weight_tiles).
+  std::optional<bool> weight_tiles;
   int inputs = 8;   // rotating token batches
   int reps = 20;    // timed rounds over all inputs; the median round is reported
   uint64_t seed = 0;

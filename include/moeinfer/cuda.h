@@ -46,6 +46,13 @@ struct CudaMoeOptions {
   // They need a BF16 router whose rows are a multiple of 8 columns: forcing them on another is
   // refused at create.
   std::optional<bool> router_mma = std::nullopt;
+  // Expert weights in tiles of 16 rows x 64 bytes (1 KB each, one chunk of the expert-major K
+  // loop for one warp) rather than the checkpoint's row-major layout, wherever a matrix is whole
+  // tiles (rows a multiple of 16, rows of a multiple of 64 bytes): nullopt tiles them where every
+  // call runs expert-major, true wherever they fit (the token-major and per-row kernels read
+  // tiles too, more slowly), false never. The arithmetic is the same either way: only where the
+  // bytes lie changes. call_config says which layout the experts have.
+  std::optional<bool> weight_tiles = std::nullopt;
 };
 
 class CudaMoe {
@@ -69,7 +76,9 @@ class CudaMoe {
   // The kernels a call of n tokens launches, one line: the path, and for expert-major the routes
   // per work item and each GEMM's kernel ("8 routes/item, gate_up split-K, down staged+scales";
   // "+scales": NVFP4 scale codes staged in shared memory too; "+slices": the activations staged
-  // a slice at a time; "staged x2", "x4": each block makes 2 or 4 passes of 64 rows over one staging).
+  // a slice at a time; "staged x2", "x4": each block makes 2 or 4 passes of 64 rows over one staging),
+  // then the experts' layout ("weight tiles", "row-major weights", or "weight tiles (T of M
+  // matrices)") and the router's kernel.
   std::string call_config(int64_t n) const;
   const LayerDesc& desc() const;
   int rank() const;   // CudaMoeOptions::rank

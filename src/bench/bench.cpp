@@ -202,7 +202,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
                                    .staged = cfg.staged,
                                    .staged_passes = cfg.staged_passes,
                                    .staged_ahead = cfg.staged_ahead,
-                                   .router_mma = cfg.router_mma};
+                                   .router_mma = cfg.router_mma,
+                                   .weight_tiles = cfg.weight_tiles};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
         if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
       });
@@ -275,6 +276,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         if (cfg.staged_passes) row.config += fmt::format("; {} staged pass(es) forced", *cfg.staged_passes);
         if (cfg.staged_ahead) row.config += fmt::format("; {} chunk(s) ahead forced", *cfg.staged_ahead);
         if (cfg.router_mma) row.config += *cfg.router_mma ? "; router mma forced on" : "; router mma forced off";
+        if (cfg.weight_tiles) row.config += *cfg.weight_tiles ? "; weight tiles forced on" : "; weight tiles forced off";
         row.time_us = time_us;
         row.distinct_experts = distinct;
         // The floor: every distinct routed expert once, the shared expert, the router, the

@@ -150,6 +150,7 @@ struct BenchOptions {
   std::string staged_passes = "auto";
   std::string staged_ahead = "auto";
   std::string router_mma = "auto";
+  std::string weight_tiles = "auto";
   std::string out = "bench-out";
   int inputs = 8;
   int reps = 20;
@@ -226,6 +227,12 @@ int bench_command(const BenchOptions& opt) {
     cfg.router_mma = opt.router_mma == "on";
   } else if (opt.router_mma != "auto") {
     return fail(invalid_argument(fmt::format("--router-mma: '{}' is not auto, on or off", opt.router_mma)));
+  }
+  if (opt.weight_tiles == "on" || opt.weight_tiles == "off") {
+    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--weight-tiles applies to the cuda backend"));
+    cfg.weight_tiles = opt.weight_tiles == "on";
+  } else if (opt.weight_tiles != "auto") {
+    return fail(invalid_argument(fmt::format("--weight-tiles: '{}' is not auto, on or off", opt.weight_tiles)));
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
@@ -510,6 +517,11 @@ int main(int argc, char** argv) {
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "
                         "their grid fills 3/8 of the SMs (auto), "
                         "or forced on or off")
+      ->capture_default_str();
+  bench_cmd->add_option("--weight-tiles", bench.weight_tiles,
+                        "CUDA expert weights stored in tiles of 16 rows x 64 bytes where they fit: where every call "
+                        "runs expert-major (auto), wherever they fit (on), or never (off: the checkpoint's row-major "
+                        "layout)")
       ->capture_default_str();
   CLI::Option* bench_ep_opt = bench_cmd->add_option(
       "--ep", bench.ep, "Expert parallelism over this many ranks (launched through mpirun): CPU processes, or one GPU each");

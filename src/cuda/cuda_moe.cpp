@@ -65,7 +65,48 @@ class DeviceArena {
   size_t total_ = 0;
 };
 
-Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, const std::vector<float>& bias) {
+// A device buffer the upload lays matrices out through (weight tiles): grown as needed, freed
+// when create returns.
+class UploadScratch {
+ public:
+  ~UploadScratch() {
+    if (buffer_ != nullptr) cudaFree(buffer_);
+  }
+  Result<void*> get(size_t bytes) {
+    if (bytes > size_) {
+      if (buffer_ != nullptr) cudaFree(buffer_);
+      buffer_ = nullptr;
+      size_ = 0;
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buffer_, bytes), "upload scratch"));
+      size_ = bytes;
+    }
+    return buffer_;
+  }
+
+ private:
+  void* buffer_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Bytes per row of a matrix's codes, or 0 where its rows are not whole bytes (NVFP4, odd columns).
+int64_t code_row_bytes(const QuantMatrix& m) {
+  switch (m.spec.format) {
+    case WeightFormat::kNVFP4: return m.cols % 2 == 0 ? m.cols / 2 : 0;
+    case WeightFormat::kFP8: return m.cols;
+    default: return 2 * m.cols;
+  }
+}
+
+// Whether a matrix can be stored in weight tiles (cuda/weight_tiles.h).
+bool tiles_fit(const QuantMatrix& m) {
+  const int64_t row_bytes = code_row_bytes(m);
+  return cuda::tiles_fit(m.rows, row_bytes) && static_cast<int64_t>(m.data.size()) == m.rows * row_bytes;
+}
+
+// Uploads a matrix; with `tiles` (which tiles_fit allows) its codes are then laid out in tiles
+// through that scratch buffer.
+Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, const std::vector<float>& bias,
+                                      UploadScratch* tiles = nullptr) {
   cuda::DevMatrix d;
   d.rows = static_cast<int32_t>(m.rows);
   d.cols = static_cast<int32_t>(m.cols);
@@ -82,6 +123,17 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
         cuda::launch_nvfp4_pair_order(const_cast<uint8_t*>(*data), static_cast<int64_t>(m.data.size()), nullptr),
         "NVFP4 pair order"));
   }
+  if (tiles != nullptr) {
+    const size_t bytes = m.data.size();
+    Result<void*> row_major = tiles->get(bytes);
+    if (!row_major.ok()) return row_major.status();
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemcpy(*row_major, *data, bytes, cudaMemcpyDeviceToDevice), "weight tiles"));
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_weight_tiles(static_cast<const uint8_t*>(*row_major),
+                                                                   const_cast<uint8_t*>(*data), m.rows, code_row_bytes(m),
+                                                                   nullptr),
+                                         "weight tiles"));
+    d.tiled = true;
+  }
   Result<const float*> scales = arena.upload(m.scales);
   if (!scales.ok()) return scales.status();
   d.scales = *scales;
@@ -94,13 +146,16 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
   return d;
 }
 
-Result<cuda::DevExpert> upload_expert(DeviceArena& arena, const ExpertWeights& w) {
+// Uploads an expert; with `tiles`, each of its matrices that fits is laid out in weight tiles, gate
+// and up only together (the expert-major kernels read both through one layout).
+Result<cuda::DevExpert> upload_expert(DeviceArena& arena, const ExpertWeights& w, UploadScratch* tiles) {
   cuda::DevExpert d;
-  Result<cuda::DevMatrix> gate = upload_matrix(arena, w.gate, w.gate_bias);
+  UploadScratch* gate_up_tiles = tiles != nullptr && tiles_fit(w.gate) && tiles_fit(w.up) ? tiles : nullptr;
+  Result<cuda::DevMatrix> gate = upload_matrix(arena, w.gate, w.gate_bias, gate_up_tiles);
   if (!gate.ok()) return gate.status();
-  Result<cuda::DevMatrix> up = upload_matrix(arena, w.up, w.up_bias);
+  Result<cuda::DevMatrix> up = upload_matrix(arena, w.up, w.up_bias, gate_up_tiles);
   if (!up.ok()) return up.status();
-  Result<cuda::DevMatrix> down = upload_matrix(arena, w.down, w.down_bias);
+  Result<cuda::DevMatrix> down = upload_matrix(arena, w.down, w.down_bias, tiles != nullptr && tiles_fit(w.down) ? tiles : nullptr);
   if (!down.ok()) return down.status();
   d.gate = *gate;
   d.up = *up;
@@ -120,6 +175,8 @@ struct CudaMoe::Impl {
   DeviceArena scratch;
   cuda::DevLayer dev;
   cuda::DevWorkspace ws;
+  int expert_matrices = 0;  // uploaded here (routed and shared, 3 per expert)
+  int tiled_matrices = 0;   // of those, stored in weight tiles
 };
 
 CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -134,8 +191,13 @@ std::string CudaMoe::call_config(int64_t n) const {
                                                    cuda::router_mma_row_groups(L.router_outputs, L.shared_gate),
                                                    cuda::router_mma_slices(L.hidden), L.sm_count))
           : std::string("router fma");
+  // The experts' layout: the upload's, the same for every call.
+  const int tiled = impl_->tiled_matrices, all = impl_->expert_matrices;
+  const std::string layout = tiled == 0     ? std::string("row-major weights")
+                             : tiled == all ? std::string("weight tiles")
+                                            : fmt::format("weight tiles ({} of {} matrices)", tiled, all);
   const PathKind path = impl_->plan.path_for(n);
-  if (path != PathKind::kExpertMajor) return fmt::format("{}; {}", path_name(path), router);
+  if (path != PathKind::kExpertMajor) return fmt::format("{}; {}; {}", path_name(path), layout, router);
   const cuda::ExpertMajorLaunch call = cuda::expert_major_launch(L, static_cast<int>(n));
   // "(2 ahead)": the staged kernel's NVFP4 loop loads two chunks ahead of its MMAs.
   const auto staged = [](bool sliced, int passes, int ahead) {
@@ -143,12 +205,12 @@ std::string CudaMoe::call_config(int64_t n) const {
         sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
     return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
-  return fmt::format("{} routes/item, gate_up {}, down {}; {}", call.group,
+  return fmt::format("{} routes/item, gate_up {}, down {}; {}; {}", call.group,
                      call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead) : "split-K",
                      call.staged_down ? (call.down_copies_scales ? "staged+scales"
                                                                  : staged(call.down_sliced, call.down_passes, call.down_ahead))
                                       : "split-K",
-                     router);
+                     layout, router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -210,18 +272,27 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   // experts stay empty entries: no kernel reaches them (owned_begin/owned_end below).
   std::vector<cuda::DevExpert> table(static_cast<size_t>(d.num_experts));
   table.reserve(static_cast<size_t>(d.num_experts) + 1);
+  // Weight tiles by default where every call runs expert-major, whose loads they are made for.
+  const bool expert_major_only = impl->plan.path == PathKind::kExpertMajor && impl->plan.small_path == PathKind::kExpertMajor;
+  UploadScratch tile_scratch;
+  UploadScratch* tiles = options.weight_tiles.value_or(expert_major_only) ? &tile_scratch : nullptr;
   for (int e = slice.begin; e < slice.end; ++e) {
     Result<const ExpertWeights*> w = layer.expert(e);
     if (!w.ok()) return w.status();
-    Result<cuda::DevExpert> dev = upload_expert(impl->weights, **w);
+    Result<cuda::DevExpert> dev = upload_expert(impl->weights, **w, tiles);
     if (!dev.ok()) return dev.status();
     table[static_cast<size_t>(e)] = *dev;
     if (progress) progress(e + 1 - slice.begin, slice.end - slice.begin);
   }
   if (layer.shared && adds_once) {
-    Result<cuda::DevExpert> dev = upload_expert(impl->weights, *layer.shared);
+    Result<cuda::DevExpert> dev = upload_expert(impl->weights, *layer.shared, tiles);
     if (!dev.ok()) return dev.status();
     table.push_back(*dev);
+  }
+  for (const cuda::DevExpert& x : table) {
+    if (x.gate.rows == 0) continue;  // another rank's expert
+    impl->expert_matrices += 3;
+    impl->tiled_matrices += int{x.gate.tiled} + int{x.up.tiled} + int{x.down.tiled};
   }
   Result<const cuda::DevExpert*> experts = impl->weights.upload(table);
   if (!experts.ok()) return experts.status();

@@ -138,7 +138,8 @@ __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
 // the route count. Computed once per block, so the K loop only adds column offsets.
 template <int kMats, int kTiles>
 struct LaneRows {
-  const uint8_t* w[kMats][2];
+  const uint8_t* w[kMats][2];  // row-major: the row's start; tiled: its row in the panel's first tile
+  unsigned chunk_stride;       // bytes from a row's 64-byte chunk of K to its next: 64, or kTileBytes in tiles
   const uint8_t* scale_codes[kMats][2];
   const float* block_scales[kMats];
   const uint16_t* b[kTiles];
@@ -221,11 +222,15 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
   const unsigned k = k0 + c * V;
   // An NVFP4 tail run is half a word of codes: lanes 2i and 2i + 1 both load word i.
   const unsigned k_weights = F == Fmt::kNvfp4 && V == 4 ? k0 + 8 * (c / 2) : k;
+  // A main-loop chunk is 64 bytes of each row, wherever the layout puts them (a tiled matrix has
+  // no tail: its K is whole chunks); lane c's run is bytes 16c .. 16c + 15 of them.
+  const unsigned at = V == kMainRun<F> ? weight_bytes<F>(k0) / kTileRowBytes * rows.chunk_stride + 16 * c
+                                       : weight_bytes<F>(k_weights);
 #pragma unroll
   for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      load_words<kRunBytes<F, V>, true, kAligned16>(rows.w[mi][r] + weight_bytes<F>(k_weights), ch.raw[mi][r]);
+      load_words<kRunBytes<F, V>, true, kAligned16>(rows.w[mi][r] + at, ch.raw[mi][r]);
       if constexpr (F == Fmt::kNvfp4 && !kSmemScales) {
         const uint8_t* s = rows.scale_codes[mi][r] + k_weights / 16;
         if constexpr (V == 32 && kAligned16) {  // K % 32 == 0: the run's two codes are one aligned half word
@@ -648,7 +653,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row0 + gid + 8 * r;
-      rows.w[mi][r] = m.data + row * row_bytes;
+      rows.w[mi][r] = m.data + (m.tiled ? tiled_offset(row, 0, row_bytes) : row * row_bytes);
       rows.scale_codes[mi][r] = format == WeightFormat::kNVFP4 ? m.block_scales + row * (m.cols / 16) : nullptr;
       rows.staged_scales[mi][r] =
           kSplit ? nullptr
@@ -657,6 +662,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
   }
   smem_scales = smem_scales && aligned16;
+  rows.chunk_stride = mats[0]->tiled ? kTileBytes : kTileRowBytes;  // gate and up are tiled alike (the upload)
   const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? kExpertMajorSliceCols : K);
   rows.staged = kSplit ? nullptr : staged + gid * staged_row_bytes;
   rows.staged_tile = kTile * staged_row_bytes;

@@ -46,17 +46,19 @@ __device__ __forceinline__ float fp8_scale(const DevMatrix& m, int r, int c) {
 
 // One weight, any position: the per-row path's load.
 __device__ __forceinline__ float load_weight(const DevMatrix& m, int r, int c) {
-  const int64_t i = static_cast<int64_t>(r) * m.cols + c;
   switch (m.format) {
     case static_cast<uint8_t>(WeightFormat::kBF16): {
-      const uint16_t bits = reinterpret_cast<const uint16_t*>(m.data)[i];
+      const uint16_t bits = *reinterpret_cast<const uint16_t*>(m.data + weight_offset(m, r, 2 * int64_t{c}));
       return __uint_as_float(static_cast<uint32_t>(bits) << 16);
     }
     case static_cast<uint8_t>(WeightFormat::kFP8):
-      return e4m3_value(m.data[i]) * fp8_scale(m, r, c);
-    default: {  // NVFP4: words of 8 codes in pair order
-      const uint32_t word = reinterpret_cast<const uint32_t*>(m.data)[i / 8];
-      const uint32_t code = pair_order_code(word, static_cast<int>(i % 8));
+      return e4m3_value(m.data[weight_offset(m, r, c)]) * fp8_scale(m, r, c);
+    default: {  // NVFP4: words of 8 codes in pair order (cols % 8 == 0: rows are whole words)
+      const int64_t i = static_cast<int64_t>(r) * m.cols + c;
+      const uint32_t word = m.cols % 8 == 0
+                                ? *reinterpret_cast<const uint32_t*>(m.data + weight_offset(m, r, c / 8 * 4))
+                                : reinterpret_cast<const uint32_t*>(m.data)[i / 8];
+      const uint32_t code = pair_order_code(word, static_cast<int>(m.cols % 8 == 0 ? c % 8 : i % 8));
       const float block = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]);
       return e2m1_value(code) * block * m.global_scale;
     }
@@ -66,10 +68,9 @@ __device__ __forceinline__ float load_weight(const DevMatrix& m, int r, int c) {
 // Eight consecutive weights of row r from column c (c % 8 == 0, cols % 8 == 0): one 16-, 8- or
 // 4-byte load, so a warp reads 512, 256 or 128 contiguous bytes per step.
 __device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, float (&w)[8]) {
-  const int64_t i = static_cast<int64_t>(r) * m.cols + c;
   switch (m.format) {
     case static_cast<uint8_t>(WeightFormat::kBF16): {
-      const uint4 v = *reinterpret_cast<const uint4*>(m.data + i * 2);
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + weight_offset(m, r, 2 * int64_t{c}));
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -79,7 +80,7 @@ __device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, 
       return;
     }
     case static_cast<uint8_t>(WeightFormat::kFP8): {
-      const uint2 v = *reinterpret_cast<const uint2*>(m.data + i);
+      const uint2 v = *reinterpret_cast<const uint2*>(m.data + weight_offset(m, r, c));
       const float s = fp8_scale(m, r, c);  // 8 columns never straddle a 128 block
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -89,7 +90,7 @@ __device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, 
       return;
     }
     default: {
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(m.data + i / 2);
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(m.data + weight_offset(m, r, c / 2));
       const float s = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]) * m.global_scale;
 #pragma unroll
       for (int j = 0; j < 8; ++j) w[j] = e2m1_value(pair_order_code(v, j)) * s;  // element c + j
@@ -116,10 +117,9 @@ __device__ __forceinline__ float dot8(const float (&w)[8], const float* x) {
 __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_scale) {
   const int lane = threadIdx.x % kWarp;
   float acc = 0.0f;
-  const int64_t row = static_cast<int64_t>(r) * m.cols;
   if (m.format == static_cast<uint8_t>(WeightFormat::kNVFP4) && m.cols % 32 == 0) {
     for (int c = lane * 32; c < m.cols; c += kWarp * 32) {
-      const uint4 v = *reinterpret_cast<const uint4*>(m.data + (row + c) / 2);
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + weight_offset(m, r, c / 2));
       const uint8_t* bs = m.block_scales + static_cast<int64_t>(r) * (m.cols / 16) + c / 16;
       const float s0 = e4m3_value(bs[0]) * m.global_scale, s1 = e4m3_value(bs[1]) * m.global_scale;
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
@@ -133,7 +133,7 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
     }
   } else if (m.format == static_cast<uint8_t>(WeightFormat::kFP8) && m.cols % 16 == 0) {
     for (int c = lane * 16; c < m.cols; c += kWarp * 16) {
-      const uint4 v = *reinterpret_cast<const uint4*>(m.data + row + c);
+      const uint4 v = *reinterpret_cast<const uint4*>(m.data + weight_offset(m, r, c));
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
       float block = 0.0f;
 #pragma unroll
@@ -1198,6 +1198,30 @@ cudaError_t launch_nvfp4_pair_order(uint8_t* codes, int64_t bytes, cudaStream_t 
   if (words == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((words + 255) / 256, 4096);
   nvfp4_pair_order_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(codes), words);
+  return cudaGetLastError();
+}
+
+namespace {
+
+// Grid: strides over the matrix's 16-byte units, one per thread at a time. Reads row-major `src`,
+// writes each unit to its place in the tiles (weight_tiles.h) of `dst`.
+__global__ void __launch_bounds__(256) weight_tiles_kernel(const uint4* src, uint8_t* dst, int64_t units, int64_t row_bytes) {
+  const int64_t per_row = row_bytes / 16;
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < units;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    *reinterpret_cast<uint4*>(dst + tiled_offset(u / per_row, u % per_row * 16, row_bytes)) = src[u];
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_weight_tiles(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, cudaStream_t stream) {
+  if (!tiles_fit(rows, row_bytes) || reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t units = rows * row_bytes / 16;
+  const int64_t blocks = std::min<int64_t>((units + 255) / 256, 4096);
+  weight_tiles_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(reinterpret_cast<const uint4*>(src), dst, units, row_bytes);
   return cudaGetLastError();
 }
 

@@ -6,12 +6,14 @@
 
 #include <cstdint>
 
+#include "cuda/weight_tiles.h"
 #include "moeinfer/layer.h"
 
 namespace moeinfer::cuda {
 
 // One quantized matrix [rows, cols], K-major, as uploaded: QuantMatrix's byte layout, except that
-// NVFP4 codes are rewritten into pair order after the upload.
+// NVFP4 codes are rewritten into pair order after the upload, and expert matrices may be stored
+// in tiles of 16 rows x 64 bytes (weight_tiles.h; `tiled`).
 struct DevMatrix {
   const uint8_t* data = nullptr;          // NVFP4: words of 8 codes in pair order (nvfp4_pair_order.h)
   const float* scales = nullptr;          // FP8 dequant scales
@@ -23,6 +25,7 @@ struct DevMatrix {
   int32_t scale_cols = 0;                 // FP8 block-128: columns of the scale grid
   uint8_t format = 0;                     // WeightFormat
   uint8_t fp8_scaling = 0;                // Fp8Scaling
+  bool tiled = false;                     // `data` in tiles (weight_tiles.h); the scales stay row-major
 };
 
 struct DevExpert {
@@ -75,6 +78,20 @@ struct DevLayer {
 };
 
 #ifdef __CUDACC__
+// Bytes per row of a matrix's codes.
+__device__ __forceinline__ int64_t weight_row_bytes(const DevMatrix& m) {
+  const int64_t cols = m.cols;
+  if (m.format == static_cast<uint8_t>(WeightFormat::kNVFP4)) return cols / 2;
+  return m.format == static_cast<uint8_t>(WeightFormat::kFP8) ? cols : 2 * cols;
+}
+
+// Where byte b of row r of a matrix's codes lies, in either layout. Loads of up to 16 bytes from
+// a 16-byte aligned b stay within one tile's row.
+__device__ __forceinline__ int64_t weight_offset(const DevMatrix& m, int64_t r, int64_t b) {
+  const int64_t row_bytes = weight_row_bytes(m);
+  return m.tiled ? tiled_offset(r, b, row_bytes) : r * row_bytes + b;
+}
+
 __device__ __forceinline__ bool owns_expert(const DevLayer& L, int e) { return e >= L.owned_begin && e < L.owned_end; }
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + __expf(-v)); }
@@ -387,6 +404,10 @@ cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, con
 // Rewrites NVFP4 codes uploaded in checkpoint order into the device's pair order
 // (nvfp4_pair_order.h), in place. `bytes` is a multiple of 4.
 cudaError_t launch_nvfp4_pair_order(uint8_t* codes, int64_t bytes, cudaStream_t stream);
+// Copies a matrix of `rows` rows of `row_bytes` bytes from row-major `src` into tiles at `dst`
+// (weight_tiles.h; another buffer of the same size). Invalid value unless tiles_fit and both are
+// 16-byte aligned.
+cudaError_t launch_weight_tiles(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, cudaStream_t stream);
 // One streaming pass reading `count` float4 values; per-block partial sums go to `sink`
 // ([blocks] floats) so the reads cannot be optimised away.
 cudaError_t launch_stream_read(const float4* data, int64_t count, float* sink, int blocks, cudaStream_t stream);
