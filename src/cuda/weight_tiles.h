@@ -8,9 +8,10 @@
 // K, then the next panel. The NVFP4 block scales stay row-major.
 //
 // Why: in the checkpoint's row-major layout one 16-byte load instruction of a warp covers 8 rows x
-// 64 bytes (rows K/2 bytes apart), and the weight loads of the expert-major kernels ran at 57-72%
-// of the streaming rate with no arithmetic at all; in tiles the same instruction covers 512
-// contiguous bytes and ran at 100-116% (tools/probe_weight_loads.cu, docs/PERF.md v3.16).
+// 64 bytes (rows K/2 bytes apart). The staged kernels' weight loads alone, with no arithmetic,
+// read 2.1-2.8 TB/s that way on an H200 and 4.0-4.2 TB/s in tiles, where the same instruction
+// covers 512 contiguous bytes (streaming reads: 4.5 TB/s; tools/probe_weight_loads.cu,
+// docs/PERF.md v3.16).
 #pragma once
 
 #include <cstdint>
