@@ -17,7 +17,10 @@
 // natural bf16 word 2s + j, which leaves the dot products unchanged. NVFP4 codes are kept on the
 // device in pair order (nvfp4_pair_order.h), so such a column pair decodes with one mask after at
 // most a shift or a multiply. Columns past the last full chunk go through the same code with
-// V = 4 (one MMA step; an NVFP4 lane loads the word holding its 4 values).
+// V = 4 (one MMA step; an NVFP4 lane loads the word holding its 4 values). A chunk is 64 bytes of
+// each of the warp's 16 rows in every format; where the matrix is stored in weight tiles
+// (weight_tiles.h) those 16 x 64 bytes are one 1 KB run, and each of the warp's load instructions
+// reads 512 contiguous bytes rather than 8 rows x 64 bytes.
 //
 // Numbers: bf16 operands, fp32 accumulation. NVFP4 codes become bf16 by moving bits (E2M1 x
 // 2^-126, E2M1's subnormal 0.5 landing on bf16's), then one bf16 multiply by the block scale
