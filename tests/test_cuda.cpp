@@ -868,6 +868,29 @@ TEST(WeightTiles, OffsetsPermuteTheMatrixInWholeTiles) {
   EXPECT_FALSE(cuda::tiles_fit(0, 64));
 }
 
+// NVFP4 scales in scale tiles (cuda/weight_tiles.h) are a permutation of the matrix's scales that
+// keeps each tile's 16 rows x 8 codes in one 128-byte run, in the weight tiles' order, with lane
+// 4g + c's four codes (rows g and g + 8, groups 2c and 2c + 1) in its own 4-byte word. Host-only.
+TEST(WeightTiles, ScaleTilesGiveEachLaneItsCodesInOneWord) {
+  for (const auto& [rows, per_row] : {std::pair<int64_t, int64_t>{16, 8}, {32, 24}, {48, 128}, {96, 448}}) {
+    std::vector<int> seen(static_cast<size_t>(rows * per_row), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < per_row; ++j) {
+        const int64_t at = cuda::tiled_scale_offset(r, j, per_row);
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, rows * per_row);
+        ++seen[static_cast<size_t>(at)];
+        // The scale tile of (panel, chunk) lies where its weight tile does, at an eighth of the size.
+        const int64_t tile = cuda::tiled_offset(r / 16 * 16, j / 8 * 64, per_row * 8) / cuda::kTileBytes;
+        ASSERT_EQ(at / cuda::kScaleTileBytes, tile) << r << ", " << j;
+        const int64_t g = r % 16 % 8, c = j % 8 / 2;
+        ASSERT_EQ(at % cuda::kScaleTileBytes, 4 * (4 * g + c) + 2 * (r % 16 / 8) + j % 2) << r << ", " << j;
+      }
+    }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; })) << rows << " x " << per_row;
+  }
+}
+
 // The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;
 // the device may produce any grouping. Every routing must fit: count the items the device's
 // grouping makes (one per `group` routes of an expert) for adversarial and random routings.

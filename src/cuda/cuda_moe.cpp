@@ -137,7 +137,20 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
   Result<const float*> scales = arena.upload(m.scales);
   if (!scales.ok()) return scales.status();
   d.scales = *scales;
-  Result<const uint8_t*> block_scales = arena.upload(m.block_scales);
+  // An NVFP4 matrix in tiles has its block scales in scale tiles (cuda/weight_tiles.h).
+  std::vector<uint8_t> tiled_scales;
+  if (d.tiled && m.spec.format == WeightFormat::kNVFP4) {
+    const int64_t per_row = m.cols / kNvfp4Group;
+    tiled_scales.resize(m.block_scales.size());
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t j = 0; j < per_row; ++j) {
+        tiled_scales[static_cast<size_t>(cuda::tiled_scale_offset(r, j, per_row))] =
+            m.block_scales[static_cast<size_t>(r * per_row + j)];
+      }
+    }
+  }
+  Result<const uint8_t*> block_scales = arena.upload(d.tiled && m.spec.format == WeightFormat::kNVFP4 ? tiled_scales
+                                                                                                   : m.block_scales);
   if (!block_scales.ok()) return block_scales.status();
   d.block_scales = *block_scales;
   Result<const float*> b = arena.upload(bias);
@@ -353,6 +366,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
   });
+  L.weight_tiles = impl->tiled_matrices > 0;
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

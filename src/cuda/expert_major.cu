@@ -75,6 +75,16 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
   return make_float2(lo, hi);
 }
 
+// The two E4M3 codes in the high half of a word as floats, exactly (no shift: the conversion
+// reads the half).
+__device__ __forceinline__ float2 e4m3x2_high_to_float2(uint32_t word) {
+  uint32_t h;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u; }" : "=r"(h) : "r"(word));
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }" : "=f"(lo), "=f"(hi) : "r"(h));
+  return make_float2(lo, hi);
+}
+
 // Two E4M3 codes as a bf16 pair (exact: E4M3 values are bf16 values).
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_codes) {
   const float2 f = e4m3x2_to_float2(two_codes);
@@ -150,6 +160,15 @@ struct LaneRows {
   int staged_tile;        // staged kernels: bytes from one token tile's rows to the next's
   // Staged kernels with staged NVFP4 scales: this lane's rows gid and gid + 8 of each matrix's copy.
   const uint8_t* staged_scales[kMats][2];
+  // NVFP4 in tiles (the kTiled loops): this lane's 16 bytes of row gid in its panel's first tile
+  // (row gid + 8's lie 512 bytes on), and its 4 bytes of the panel's first scale tile.
+  const uint8_t* tile_w[kMats];
+  const uint8_t* tile_scales[kMats];
+  // Staged kernels, NVFP4 main loop: where this lane's 16-byte units 4c, 4c + 1 (staged_lo) and
+  // 4c + 2, 4c + 3 (staged_hi) of a chunk's staged activations lie for the chunk at column 0, in
+  // bytes from the start of the block's dynamic shared memory (load_staged_unit).
+  uint32_t staged_lo;
+  uint32_t staged_hi;
 };
 
 // ---- Staged activations (the staged kernels, one token tile): the block's 8 token columns are
@@ -177,14 +196,33 @@ __device__ __forceinline__ void load_staged_b(const uint8_t* row, unsigned k, ui
 }
 
 // The registers of one chunk that are loaded ahead of its MMAs: both rows' weight runs of each
-// matrix, the NVFP4 scale codes, the FP8 block-128 scale, and token tile 0's activations.
-template <Fmt F, int V, int kMats>
+// matrix, the NVFP4 scale codes (kTiled: row gid's two and row gid + 8's in one word,
+// scale_codes[mi][0]; else each row's two in the low half of its own), the FP8 block-128 scale,
+// and token tile 0's activations.
+template <Fmt F, int V, int kMats, bool kTiled = false>
 struct Chunk {
   uint32_t raw[kMats][2][4];
   uint32_t scale_codes[kMats][2];
   float block_scale[kMats];
   uint32_t b0[V / 2];
 };
+
+// The staged kernels' dynamic shared memory (each kernel's `staged`, by a name the helpers below
+// can address it through with 32-bit offsets).
+extern __shared__ __align__(16) uint8_t staged_smem[];
+
+// Unit u (0..3) of this lane's 32 activations of the NVFP4 chunk at column k0 of a staged row
+// (k0 % 128 == 0), token tile `tile`: unit k0 / 8 + 4c + u. k0 / 8 is a multiple of 16, so
+// staged_unit's swizzle (bit 1 flipped where bit 3 is set) depends on 4c + u alone, and the lane's
+// unit offsets are fixed once per block (LaneRows::staged_lo, staged_hi): the loop adds the column,
+// not the swizzle.
+template <int kMats, int kTiles>
+__device__ __forceinline__ void load_staged_unit(const LaneRows<kMats, kTiles>& rows, int tile, unsigned k0, int u,
+                                                 uint32_t (&w)[4]) {
+  const unsigned at = (u < 2 ? rows.staged_lo : rows.staged_hi) + tile * rows.staged_tile + 2 * k0 + 16 * (u % 2);
+  const uint4 v = *reinterpret_cast<const uint4*>(staged_smem + at);
+  w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+}
 
 // This lane's V activations of one B column from column k (16-byte aligned for V >= 8: H and I
 // are multiples of 16).
@@ -217,11 +255,27 @@ __device__ __forceinline__ T load_scale(const T* p) {
 
 // The chunk of 4V columns from k0: lane c's run starts at k0 + cV. With kStaged the activations
 // are read from shared memory at MMA time instead, and with kSmemScales the NVFP4 scale codes too.
-// kScales false leaves the scale codes out (staged ones are read once they have arrived).
+// kScales false leaves staged scale codes out (they are read once they have arrived). kTiled
+// (NVFP4 main loop over a tiled matrix): both rows' runs from one pointer, and the four scale codes
+// in one load (tiled_scale_offset's order: row gid's two, then row gid + 8's).
 template <Fmt F, int V, int kMats, int kTiles, bool kAligned16, bool kStaged, bool kSmemScales = false,
-          bool kScales = true>
-__device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats>& ch) {
+          bool kScales = true, bool kTiled = false>
+__device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats, kTiled>& ch) {
   const unsigned c = threadIdx.x % 4;
+  if constexpr (kTiled) {
+    static_assert(F == Fmt::kNvfp4 && V == kMainRun<F> && kAligned16 && !kSmemScales);
+    const unsigned chunk = k0 / (4 * V);
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) {
+      const uint8_t* w = rows.tile_w[mi] + chunk * kTileBytes;
+      load_words<16, true, true>(w, ch.raw[mi][0]);
+      load_words<16, true, true>(w + kTileBytes / 2, ch.raw[mi][1]);
+      ch.scale_codes[mi][0] =
+          load_scale<kStaged>(reinterpret_cast<const uint32_t*>(rows.tile_scales[mi] + chunk * kScaleTileBytes));
+    }
+    if constexpr (!kStaged) load_b<V>(rows.b[0], k0 + c * V, ch.b0);
+    return;
+  }
   const unsigned k = k0 + c * V;
   // An NVFP4 tail run is half a word of codes: lanes 2i and 2i + 1 both load word i.
   const unsigned k_weights = F == Fmt::kNvfp4 && V == 4 ? k0 + 8 * (c / 2) : k;
@@ -285,8 +339,8 @@ __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint3
 // The MMAs of one chunk of 4V input columns starting at k0, for kMats matrices sharing the B
 // operand (gate and up, or down alone), every token tile of the item. The products accumulate
 // straight into acc, except under FP8 block-128 scales, where each chunk's sum is scaled first.
-template <Fmt F, int V, int kMats, int kTiles, bool kStaged>
-__device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const LaneRows<kMats, kTiles>& rows, unsigned k0,
+template <Fmt F, int V, int kMats, int kTiles, bool kStaged, bool kTiled>
+__device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, const LaneRows<kMats, kTiles>& rows, unsigned k0,
                                           int tiles, float (&acc)[kTiles][kMats][4]) {
   constexpr int kSteps = V / 4;
   const unsigned c = threadIdx.x % 4;
@@ -296,7 +350,9 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
     for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float2 s = e4m3x2_to_float2(ch.scale_codes[mi][r]);
+        const float2 s = !kTiled ? e4m3x2_to_float2(ch.scale_codes[mi][r])
+                                 : (r == 0 ? e4m3x2_to_float2(ch.scale_codes[mi][0])
+                                           : e4m3x2_high_to_float2(ch.scale_codes[mi][0]));
         const uint32_t pair = pack_bf16(s.x * 0x1p119f, s.y * 0x1p119f);  // exact: <= 4 significant bits
         scale[mi][r][0] = __byte_perm(pair, 0, 0x1010);  // low half in both halves
         scale[mi][r][1] = __byte_perm(pair, 0, 0x3232);  // high half in both halves
@@ -305,7 +361,26 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
   }
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
-    if (tile >= tiles) break;
+    if (tile > 0 && tile >= tiles) break;  // an item has at least one route
+    if constexpr (kStaged && V == 32) {
+      // Step by step: each unit of activations is read just before its two steps, which both
+      // matrices take in turn (each accumulator still sums its steps in order).
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint32_t b[4];
+        load_staged_unit(rows, tile, k0, u, b);
+#pragma unroll
+        for (int s = 2 * u; s < 2 * u + 2; ++s) {
+#pragma unroll
+          for (int mi = 0; mi < kMats; ++mi) {
+            const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
+                                   decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
+            mma_bf16_16816(acc[tile][mi], a, b[2 * (s % 2)], b[2 * (s % 2) + 1]);
+          }
+        }
+      }
+      continue;
+    }
     uint32_t w[V / 2];
     if constexpr (kStaged) {
       load_staged_b<V>(rows.staged + tile * rows.staged_tile, k0 + c * V, w);
@@ -339,7 +414,7 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats>& ch, const La
 // the warps run slice s, and entering slice s waits for its copy and for every warp to have left
 // slice s - 1, whose buffer then takes slice s + 1. Every warp of the block runs the same K
 // (one item), so every warp reaches every barrier.
-template <Fmt F, int kMats, int kTiles, bool kAligned16, typename Stage>
+template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kTiled, typename Stage>
 __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                                 float (&acc)[kTiles][kMats][4]) {
   constexpr int V = kMainRun<F>;
@@ -353,8 +428,8 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
     __syncthreads();
     if (slice + 1 < slices) stage(slice + 1);
   };
-  Chunk<F, V, kMats> even, odd;
-  if (chunks > 0) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, 0, even);
+  Chunk<F, V, kMats, kTiled> even, odd;
+  if (chunks > 0) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, 0, even);
   stage(0);
   if (slices > 1) {
     stage(1);
@@ -365,16 +440,20 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   __syncthreads();
   // `at` is `rows` with the staged activations of the slice that starts at column base.
   LaneRows<kMats, kTiles> at = rows;
+  const auto point_at = [&](int slice) {
+    const int buffer = slice % 2 * kExpertMajorSliceBytes;
+    at.staged = rows.staged + buffer, at.staged_lo = rows.staged_lo + buffer, at.staged_hi = rows.staged_hi + buffer;
+  };
   for (int slice = 0; slice * kSliceChunks < chunks; ++slice) {
     if (slice > 0) enter_slice(slice);
-    at.staged = rows.staged + slice % 2 * kExpertMajorSliceBytes;
+    point_at(slice);
     const unsigned base = slice * kExpertMajorSliceCols;
     const int end = chunks < (slice + 1) * kSliceChunks ? chunks : (slice + 1) * kSliceChunks;
     for (int i = slice * kSliceChunks; i < end; i += 2) {
-      if (i + 1 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, (i + 1) * kChunk, odd);
+      if (i + 1 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, (i + 1) * kChunk, odd);
       mma_chunk<F, V, kMats, kTiles, true>(even, at, i * kChunk - base, tiles, acc);
       if (i + 1 >= chunks) break;
-      if (i + 2 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true>(rows, (i + 2) * kChunk, even);
+      if (i + 2 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, (i + 2) * kChunk, even);
       mma_chunk<F, V, kMats, kTiles, true>(odd, at, (i + 1) * kChunk - base, tiles, acc);
     }
   }
@@ -384,7 +463,7 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   if (tail_steps == 0) return;
   const int slice = static_cast<int>(tail0 / kExpertMajorSliceCols);
   if (tail0 > 0 && tail0 % kExpertMajorSliceCols == 0) enter_slice(slice);
-  at.staged = rows.staged + slice % 2 * kExpertMajorSliceBytes;
+  point_at(slice);
   for (int s = 0; s < tail_steps; ++s) {
     Chunk<F, 4, kMats> tail;
     load_chunk<F, 4, kMats, kTiles, kAligned16, true>(rows, tail0 + 16 * s, tail);
@@ -399,16 +478,17 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
 // Staged kernels: `stage` starts the copies of the block's activations (and with kSmemScales its
 // NVFP4 scale codes) after the first kAhead chunks' weights are requested, and the loop waits for
 // them there, unless `stage` returns false (a later row pass over activations already staged).
-// kSliced: the staged loop of mma_rows_sliced instead (one chunk ahead).
+// kSliced: the staged loop of mma_rows_sliced instead (one chunk ahead). kTiled: an NVFP4 matrix
+// in tiles, read by load_chunk's kTiled loads.
 template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, int kAhead,
-          typename Stage>
+          bool kTiled = false, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
   static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16 && kAhead == 1));
   static_assert(!kSliced || (!kSplit && !kSmemScales && kAhead == 1));
   static_assert(kAhead == 1 || kAhead == 2);
   if constexpr (kSliced) {
-    mma_rows_sliced<F, kMats, kTiles, kAligned16>(rows, K, tiles, stage, acc);
+    mma_rows_sliced<F, kMats, kTiles, kAligned16, kTiled>(rows, K, tiles, stage, acc);
     return;
   }
   constexpr bool kStaged = !kSplit;
@@ -421,10 +501,10 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   const unsigned first = way * 4 * V;
   // Named buffers, each loop step a fixed rotation of them (an array indexed in an unrolled loop
   // compiled to other code and registers at one chunk ahead).
-  Chunk<F, V, kMats> b0, b1, b2;
-  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first, b0);
+  Chunk<F, V, kMats, kTiled> b0, b1, b2;
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled>(rows, first, b0);
   if constexpr (kAhead == 2) {
-    if (mine > 1) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false>(rows, first + kStride, b1);
+    if (mine > 1) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled>(rows, first + kStride, b1);
   }
   if constexpr (kStaged) {
     if (stage()) {
@@ -437,18 +517,18 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   }
   if constexpr (kAhead == 1) {
     for (int i = 0; i < mine; i += 2) {
-      if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 1) * kStride, b1);
+      if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 1) * kStride, b1);
       mma_chunk<F, V, kMats, kTiles, kStaged>(b0, rows, first + i * kStride, tiles, acc);
       if (i + 1 >= mine) break;
-      if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (i + 2) * kStride, b0);
+      if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 2) * kStride, b0);
       mma_chunk<F, V, kMats, kTiles, kStaged>(b1, rows, first + (i + 1) * kStride, tiles, acc);
     }
   } else {
     // Chunk j: its MMAs from `ch` after the loads of chunk j + kAhead into `next`; false past the last.
-    const auto step = [&](int j, const Chunk<F, V, kMats>& ch, Chunk<F, V, kMats>& next) {
+    const auto step = [&](int j, const Chunk<F, V, kMats, kTiled>& ch, Chunk<F, V, kMats, kTiled>& next) {
       if (j >= mine) return false;
       if (j + kAhead < mine) {
-        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales>(rows, first + (j + kAhead) * kStride, next);
+        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (j + kAhead) * kStride, next);
       }
       mma_chunk<F, V, kMats, kTiles, kStaged>(ch, rows, first + j * kStride, tiles, acc);
       return true;
@@ -590,14 +670,20 @@ __device__ __forceinline__ bool nvfp4_aligned16(const DevMatrix& m) {
          reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
 }
 
+// Whether an NVFP4 matrix runs the kTiled loop: in tiles (whole chunks, no tail), its runs 16-byte
+// and its scale tiles 4-byte aligned.
+__device__ __forceinline__ bool nvfp4_tiled(const DevMatrix& m) {
+  return m.tiled && nvfp4_aligned16(m) && reinterpret_cast<uintptr_t>(m.block_scales) % 4 == 0;
+}
+
 // The K loop a work item's matrix takes (run_item's kPath): chosen inside run_item by default
 // (kPathAny), or fixed by a caller that runs several items of one expert (the four-pass staged
 // down), so that its loop holds one format's code.
-enum : int { kPathAny = -1, kPathNvfp4Aligned, kPathNvfp4, kPathFp8Block, kPathFp8, kPathBf16 };
+enum : int { kPathAny = -1, kPathNvfp4Tiled, kPathNvfp4Aligned, kPathNvfp4, kPathFp8Block, kPathFp8, kPathBf16 };
 
 __device__ __forceinline__ int weight_path(const DevMatrix& m) {
   const WeightFormat format = static_cast<WeightFormat>(m.format);
-  if (format == WeightFormat::kNVFP4) return nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4;
+  if (format == WeightFormat::kNVFP4) return nvfp4_tiled(m) ? kPathNvfp4Tiled : (nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4);
   if (format == WeightFormat::kFP8) {
     return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128) ? kPathFp8Block : kPathFp8;
   }
@@ -644,6 +730,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   static_assert(!kSliced || !kSplit);
   static_assert(kAhead == 1 || !(kScaleCopy || kSliced));
   bool smem_scales = kScaleCopy && format == WeightFormat::kNVFP4 && K % 128 == 0;
+  bool tiled = format == WeightFormat::kNVFP4;  // every matrix in tiles and aligned: the kTiled loop
   uint8_t* scale_copy = kSplit ? nullptr : staged + 8 * expert_major_staged_row_bytes(K);
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
 #pragma unroll
@@ -652,11 +739,17 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     const int64_t row_bytes = format == WeightFormat::kNVFP4 ? m.cols / 2 : (format == WeightFormat::kFP8 ? m.cols : 2 * m.cols);
     aligned16 = aligned16 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
                 reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
-    smem_scales = smem_scales && reinterpret_cast<uintptr_t>(m.block_scales) % 8 == 0;
+    smem_scales = smem_scales && reinterpret_cast<uintptr_t>(m.block_scales) % 8 == 0 && !m.tiled;
+    tiled = tiled && nvfp4_tiled(m);
+    // row0 is a multiple of 16: in tiles, this warp's rows start the panel at row0 * row_bytes (the
+    // tiled_offset of its row gid is that plus 64 gid), and the panel's scale tiles at row0 * K / 16.
+    const int64_t panel = static_cast<int64_t>(row0) * row_bytes;
+    rows.tile_w[mi] = m.data + panel + kTileRowBytes * gid + 16 * (threadIdx.x % 4);
+    rows.tile_scales[mi] = m.block_scales + panel / 8 + 4 * (threadIdx.x % kWarp);  // NVFP4: K / 16 = row_bytes / 8
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row0 + gid + 8 * r;
-      rows.w[mi][r] = m.data + (m.tiled ? tiled_offset(row, 0, row_bytes) : row * row_bytes);
+      rows.w[mi][r] = m.data + (m.tiled ? panel + kTileRowBytes * (gid + 8 * r) : row * row_bytes);
       rows.scale_codes[mi][r] = format == WeightFormat::kNVFP4 ? m.block_scales + row * (m.cols / 16) : nullptr;
       rows.staged_scales[mi][r] =
           kSplit ? nullptr
@@ -668,6 +761,12 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   rows.chunk_stride = mats[0]->tiled ? kTileBytes : kTileRowBytes;  // gate and up are tiled alike (the upload)
   const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? kExpertMajorSliceCols : K);
   rows.staged = kSplit ? nullptr : staged + gid * staged_row_bytes;
+  if constexpr (!kSplit) {  // units 4c + i lie at 4c + (i ^ 2b), b = bit 3 of 4c (staged_unit)
+    const uint32_t row = static_cast<uint32_t>(rows.staged - staged);
+    const int c = threadIdx.x % 4, b = c / 2;
+    rows.staged_lo = row + 16 * (4 * c + 2 * b);
+    rows.staged_hi = row + 16 * (4 * c + 2 - 2 * b);
+  }
   rows.staged_tile = kTile * staged_row_bytes;
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
@@ -705,7 +804,9 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 
   float acc[kTiles][kMats][4] = {};
   static_assert(kPath == kPathAny || (!kScaleCopy && !kSliced));
-  if constexpr (kPath == kPathNvfp4Aligned) {
+  if constexpr (kPath == kPathNvfp4Tiled) {
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead, true>(rows, K, tiles, stage, acc);
+  } else if constexpr (kPath == kPathNvfp4Aligned) {
     mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathNvfp4) {
     mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
@@ -723,7 +824,9 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
           break;
         }
       }
-      if (aligned16) {
+      if (tiled) {
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead, true>(rows, K, tiles, stage, acc);
+      } else if (aligned16) {
         mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
       } else {
         mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
@@ -766,9 +869,10 @@ __device__ __forceinline__ bool read_item(const DevWorkspace& ws, int4& item) {
 }
 
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
-// Gate and up of the item's routes -> activation (bf16).
+// Gate and up of the item's routes -> activation (bf16). One token tile: held to 4 blocks per SM
+// (128 registers), what it took unbound before its loop over NVFP4 tiles, which took 147 unbound.
 template <int kTiles>
-__global__ void __launch_bounds__(kWarps * kWarp) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
+__global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
   const int row0 = blockIdx.x * kRows;
@@ -795,13 +899,12 @@ __host__ __device__ constexpr bool staged_two_ahead(bool gate_up, bool scale_cop
 }
 
 // The blocks per SM a staged kernel is held to (__launch_bounds__): at two chunks ahead, those its
-// registers allowed at one (down 70-71 registers at one tile and one or two passes: 7; 64 at four
-// passes: 8; gate_up 119, and down at two tiles 114-115: 4), so that the deeper loads cost no
-// warps; at one, no bound (0).
-__host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, int passes, int ahead) {
+// registers allowed at one (down 72 registers at one tile: 7; gate_up 119-121, and down at two
+// tiles 96-114: 4), so that the deeper loads cost no warps; at one, no bound (0). The four-pass
+// down was held to 8 (64 registers) until its loop over NVFP4 tiles (v3.17), which spills there.
+__host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, [[maybe_unused]] int passes, int ahead) {
   if (ahead == 1) return 0;
-  if (gate_up || tiles == 2) return 4;
-  return passes == 4 ? 8 : 7;
+  return gate_up || tiles == 2 ? 4 : 7;
 }
 
 // A staged down block's kPasses passes of 64 rows from this warp's row0 (group row + 16 w), each
@@ -837,7 +940,7 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1, int kAhead = 1>
 __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTiles, kPasses, kAhead))
     moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
-  extern __shared__ __align__(16) uint8_t staged[];
+  uint8_t* const staged = staged_smem;
   int4 item;
   if (!read_item(ws, item)) return;
   const DevExpert& ex = L.experts[item.x];
@@ -860,6 +963,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
     }
   } else {
     switch (weight_path(ex.down)) {
+      case kPathNvfp4Tiled: staged_down_passes<kTiles, kPasses, kPathNvfp4Tiled, kAhead>(L, n, ws, item, rows, row0, staged); break;
       case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned, kAhead>(L, n, ws, item, rows, row0, staged); break;
       case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4, kAhead>(L, n, ws, item, rows, row0, staged); break;
       case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block, kAhead>(L, n, ws, item, rows, row0, staged); break;
@@ -908,7 +1012,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
-    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, L.nvfp4, tiles);
+    // Room for the down's scale codes only where it copies them.
+    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles);
     const auto down = [&]<int kTiles>() {
       if (call.down_ahead == 2) {
         launch_staged_down<kTiles, 2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);

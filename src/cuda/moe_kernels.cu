@@ -59,7 +59,7 @@ __device__ __forceinline__ float load_weight(const DevMatrix& m, int r, int c) {
                                 ? *reinterpret_cast<const uint32_t*>(m.data + weight_offset(m, r, c / 8 * 4))
                                 : reinterpret_cast<const uint32_t*>(m.data)[i / 8];
       const uint32_t code = pair_order_code(word, static_cast<int>(m.cols % 8 == 0 ? c % 8 : i % 8));
-      const float block = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]);
+      const float block = e4m3_value(m.block_scales[block_scale_offset(m, r, c / 16)]);
       return e2m1_value(code) * block * m.global_scale;
     }
   }
@@ -91,7 +91,7 @@ __device__ __forceinline__ void load_weights8(const DevMatrix& m, int r, int c, 
     }
     default: {
       const uint32_t v = *reinterpret_cast<const uint32_t*>(m.data + weight_offset(m, r, c / 2));
-      const float s = e4m3_value(m.block_scales[static_cast<int64_t>(r) * (m.cols / 16) + c / 16]) * m.global_scale;
+      const float s = e4m3_value(m.block_scales[block_scale_offset(m, r, c / 16)]) * m.global_scale;
 #pragma unroll
       for (int j = 0; j < 8; ++j) w[j] = e2m1_value(pair_order_code(v, j)) * s;  // element c + j
       return;
@@ -120,7 +120,7 @@ __device__ float warp_dot(const DevMatrix& m, int r, const float* x, float x_sca
   if (m.format == static_cast<uint8_t>(WeightFormat::kNVFP4) && m.cols % 32 == 0) {
     for (int c = lane * 32; c < m.cols; c += kWarp * 32) {
       const uint4 v = *reinterpret_cast<const uint4*>(m.data + weight_offset(m, r, c / 2));
-      const uint8_t* bs = m.block_scales + static_cast<int64_t>(r) * (m.cols / 16) + c / 16;
+      const uint8_t* bs = m.block_scales + block_scale_offset(m, r, c / 16);  // c / 16 even
       const float s0 = e4m3_value(bs[0]) * m.global_scale, s1 = e4m3_value(bs[1]) * m.global_scale;
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll

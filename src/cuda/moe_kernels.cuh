@@ -25,7 +25,7 @@ struct DevMatrix {
   int32_t scale_cols = 0;                 // FP8 block-128: columns of the scale grid
   uint8_t format = 0;                     // WeightFormat
   uint8_t fp8_scaling = 0;                // Fp8Scaling
-  bool tiled = false;                     // `data` in tiles (weight_tiles.h); the scales stay row-major
+  bool tiled = false;                     // `data` in tiles, NVFP4 block scales in scale tiles (weight_tiles.h)
 };
 
 struct DevExpert {
@@ -66,6 +66,7 @@ struct DevLayer {
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
+  bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t router_mma = -1;  // router logits on the tensor cores (moe_router_mma): 1 forced, 0 forbidden, -1 chosen
   int32_t router_mma_tokens = 0;  // calls of up to this many tokens may run moe_router_mma (0: none may)
   DevMatrix router;                          // [E + Z, H], bias = router bias
@@ -90,6 +91,13 @@ __device__ __forceinline__ int64_t weight_row_bytes(const DevMatrix& m) {
 __device__ __forceinline__ int64_t weight_offset(const DevMatrix& m, int64_t r, int64_t b) {
   const int64_t row_bytes = weight_row_bytes(m);
   return m.tiled ? tiled_offset(r, b, row_bytes) : r * row_bytes + b;
+}
+
+// Where NVFP4 block scale j (columns 16j .. 16j + 15) of row r lies, in either layout. Scales
+// j and j + 1 of an even j are adjacent in both.
+__device__ __forceinline__ int64_t block_scale_offset(const DevMatrix& m, int64_t r, int64_t j) {
+  const int64_t per_row = m.cols / 16;
+  return m.tiled ? tiled_scale_offset(r, j, per_row) : r * per_row + j;
 }
 
 __device__ __forceinline__ bool owns_expert(const DevLayer& L, int e) { return e >= L.owned_begin && e < L.owned_end; }
@@ -282,7 +290,8 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
-// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts), and
+// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts and no
+// weight tiles), and
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1). The launcher and
@@ -310,7 +319,9 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
   c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
-  c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && expert_major_stages_scales(L.act_stride, 1);
+  // Scale tiles already bring a warp's codes in one coalesced load per chunk.
+  c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
+                         expert_major_stages_scales(L.act_stride, 1);
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
     c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4);
   }
