@@ -182,6 +182,10 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
+        // The long down in tiles (the default here) and row-major, where its staged down copies
+        // the NVFP4 scale codes into shared memory (tiles bring them in one load per chunk).
+        for (const bool tiles : {true, false}) {
+        if (!tiles && &d != &long_down) continue;
         std::vector<float> split;
         // passes 0: split-K; else down's passes and the NVFP4 loops' chunks ahead, both forced.
         for (const auto& [passes, ahead] : {std::pair{0, 0}, std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 1},
@@ -191,13 +195,14 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
               layer, n,
               CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged,
                              .staged_passes = staged ? std::optional<int>(passes) : std::nullopt,
-                             .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt}));
+                             .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt, .weight_tiles = tiles}));
           out.poison();
           ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = out.get();
-          const std::string what = fmt::format("H {}, {}, n {}, {}", h, quant_spec_name(spec), n,
-                                               staged ? fmt::format("staged, {} pass(es), {} ahead", passes, ahead) : "split K");
+          const std::string what = fmt::format("H {}, {}, n {}, {}, {}", h, quant_spec_name(spec), n,
+                                               staged ? fmt::format("staged, {} pass(es), {} ahead", passes, ahead) : "split K",
+                                               tiles ? "tiles" : "row-major");
           // The kernels the test means to compare ran: staged where it says so, and sliced exactly
           // where a staged call's K is past 3008.
           const std::string config = moe->call_config(n);
@@ -210,7 +215,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
               << what << ": " << config;
           // The forced passes wherever a staged down can make them.
-          const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced &&
+          const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced && !tiles &&
                                   cuda::expert_major_stages_scales(static_cast<int>(d.intermediate), 1);
           EXPECT_EQ(config.find("gate_up staged x"), std::string::npos) << what << ": " << config;
           if (staged && group != cuda::kExpertMajorGroup && passes > 1) {
@@ -240,10 +245,11 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
           }
           ++checked;
         }
+        }
       }
     }
   }
-  EXPECT_EQ(checked, 6 * 4 * 6 * 7);
+  EXPECT_EQ(checked, 7 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
 }
 
 // The router's logits on the tensor cores (x in three bf16 parts, fp32 sums) against the CUDA-core

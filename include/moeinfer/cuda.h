@@ -47,11 +47,12 @@ struct CudaMoeOptions {
   // refused at create.
   std::optional<bool> router_mma = std::nullopt;
   // Expert weights in tiles of 16 rows x 64 bytes (1 KB each, one chunk of the expert-major K
-  // loop for one warp) rather than the checkpoint's row-major layout, wherever a matrix is whole
-  // tiles (rows a multiple of 16, rows of a multiple of 64 bytes): nullopt tiles them where every
-  // call runs expert-major, true wherever they fit (the token-major and per-row kernels read
-  // tiles too, more slowly), false never. The arithmetic is the same either way: only where the
-  // bytes lie changes. call_config says which layout the experts have.
+  // loop for one warp), NVFP4 block scales with them (128 bytes per tile), rather than the
+  // checkpoint's row-major layout, wherever a matrix is whole tiles (rows a multiple of 16, rows of
+  // a multiple of 64 bytes): nullopt tiles them where every call runs expert-major, true wherever
+  // they fit (the token-major and per-row kernels read tiles too, more slowly), false never. The
+  // arithmetic is the same either way: only where the bytes lie changes. call_config says which
+  // layout the experts have.
   std::optional<bool> weight_tiles = std::nullopt;
 };
 
