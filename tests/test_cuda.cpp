@@ -185,66 +185,66 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         // The long down in tiles (the default here) and row-major, where its staged down copies
         // the NVFP4 scale codes into shared memory (tiles bring them in one load per chunk).
         for (const bool tiles : {true, false}) {
-        if (!tiles && (d.hidden != long_down.hidden || d.intermediate != long_down.intermediate)) continue;
-        std::vector<float> split;
-        // passes 0: split-K; else down's passes and the NVFP4 loops' chunks ahead, both forced.
-        for (const auto& [passes, ahead] : {std::pair{0, 0}, std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 1},
-                                           std::pair{2, 2}, std::pair{4, 1}, std::pair{4, 2}}) {
-          const bool staged = passes > 0;
-          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
-              layer, n,
-              CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged,
-                             .staged_passes = staged ? std::optional<int>(passes) : std::nullopt,
-                             .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt, .weight_tiles = tiles}));
-          out.poison();
-          ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          const std::vector<float> got = out.get();
-          const std::string what = fmt::format("H {}, {}, n {}, {}, {}", h, quant_spec_name(spec), n,
-                                               staged ? fmt::format("staged, {} pass(es), {} ahead", passes, ahead) : "split K",
-                                               tiles ? "tiles" : "row-major");
-          // The kernels the test means to compare ran: staged where it says so, and sliced exactly
-          // where a staged call's K is past 3008.
-          const std::string config = moe->call_config(n);
-          if (staged && group != cuda::kExpertMajorGroup) {
-            EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged", group), 0), 0u) << what << ": " << config;
-            EXPECT_NE(config.find(", down staged"), std::string::npos) << what << ": " << config;
-          }
-          EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && group == 8 && gate_up_sliced)
-              << what << ": " << config;
-          EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
-              << what << ": " << config;
-          // The forced passes wherever a staged down can make them.
-          const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced && !tiles &&
-                                  cuda::expert_major_stages_scales(static_cast<int>(d.intermediate), 1);
-          EXPECT_EQ(config.find("gate_up staged x"), std::string::npos) << what << ": " << config;
-          if (staged && group != cuda::kExpertMajorGroup && passes > 1) {
-            EXPECT_EQ(config.find(fmt::format("down staged x{}", passes)) != std::string::npos,
-                      !(group == 8 && down_sliced) && !scale_copy)
+          if (!tiles && (d.hidden != long_down.hidden || d.intermediate != long_down.intermediate)) continue;
+          std::vector<float> split;
+          // passes 0: split-K; else down's passes and the NVFP4 loops' chunks ahead, both forced.
+          for (const auto& [passes, ahead] : {std::pair{0, 0}, std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 1},
+                                             std::pair{2, 2}, std::pair{4, 1}, std::pair{4, 2}}) {
+            const bool staged = passes > 0;
+            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+                layer, n,
+                CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged,
+                               .staged_passes = staged ? std::optional<int>(passes) : std::nullopt,
+                               .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt, .weight_tiles = tiles}));
+            out.poison();
+            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<float> got = out.get();
+            const std::string what = fmt::format("H {}, {}, n {}, {}, {}", h, quant_spec_name(spec), n,
+                                                 staged ? fmt::format("staged, {} pass(es), {} ahead", passes, ahead) : "split K",
+                                                 tiles ? "tiles" : "row-major");
+            // The kernels the test means to compare ran: staged where it says so, and sliced exactly
+            // where a staged call's K is past 3008.
+            const std::string config = moe->call_config(n);
+            if (staged && group != cuda::kExpertMajorGroup) {
+              EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged", group), 0), 0u) << what << ": " << config;
+              EXPECT_NE(config.find(", down staged"), std::string::npos) << what << ": " << config;
+            }
+            EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && group == 8 && gate_up_sliced)
                 << what << ": " << config;
-          } else {
-            EXPECT_EQ(config.find(" x"), std::string::npos) << what << ": " << config;
+            EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
+                << what << ": " << config;
+            // The forced passes wherever a staged down can make them.
+            const bool scale_copy = group == 8 && spec.format == WeightFormat::kNVFP4 && !down_sliced && !tiles &&
+                                    cuda::expert_major_stages_scales(static_cast<int>(d.intermediate), 1);
+            EXPECT_EQ(config.find("gate_up staged x"), std::string::npos) << what << ": " << config;
+            if (staged && group != cuda::kExpertMajorGroup && passes > 1) {
+              EXPECT_EQ(config.find(fmt::format("down staged x{}", passes)) != std::string::npos,
+                        !(group == 8 && down_sliced) && !scale_copy)
+                  << what << ": " << config;
+            } else {
+              EXPECT_EQ(config.find(" x"), std::string::npos) << what << ": " << config;
+            }
+            // Two ahead wherever the staged kernel has that variant (staged_two_ahead), forced.
+            EXPECT_EQ(config.find("gate_up staged (2 ahead)") != std::string::npos,
+                      staged && ahead == 2 && group == 8 && !gate_up_sliced)
+                << what << ": " << config;
+            const bool down_two = staged && ahead == 2 && group != cuda::kExpertMajorGroup && !(group == 8 && down_sliced) &&
+                                  !scale_copy;
+            EXPECT_EQ(config.find(fmt::format("down staged{} (2 ahead)", passes > 1 ? fmt::format(" x{}", passes) : "")) !=
+                          std::string::npos,
+                      down_two)
+                << what << ": " << config;
+            ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+            // bf16 activations and operands: the path's tolerance in the backend-ops tests.
+            EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+            if (staged) {
+              EXPECT_LE(testing::rel_l2(got, split), 2e-3) << what;
+            } else {
+              split = got;
+            }
+            ++checked;
           }
-          // Two ahead wherever the staged kernel has that variant (staged_two_ahead), forced.
-          EXPECT_EQ(config.find("gate_up staged (2 ahead)") != std::string::npos,
-                    staged && ahead == 2 && group == 8 && !gate_up_sliced)
-              << what << ": " << config;
-          const bool down_two = staged && ahead == 2 && group != cuda::kExpertMajorGroup && !(group == 8 && down_sliced) &&
-                                !scale_copy;
-          EXPECT_EQ(config.find(fmt::format("down staged{} (2 ahead)", passes > 1 ? fmt::format(" x{}", passes) : "")) !=
-                        std::string::npos,
-                    down_two)
-              << what << ": " << config;
-          ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
-          // bf16 activations and operands: the path's tolerance in the backend-ops tests.
-          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
-          if (staged) {
-            EXPECT_LE(testing::rel_l2(got, split), 2e-3) << what;
-          } else {
-            split = got;
-          }
-          ++checked;
-        }
         }
       }
     }

@@ -373,8 +373,10 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, 
         for (int s = 2 * u; s < 2 * u + 2; ++s) {
 #pragma unroll
           for (int mi = 0; mi < kMats; ++mi) {
-            const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
-                                   decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
+            const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0),
+                                   decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
+                                   decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1),
+                                   decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
             mma_bf16_16816(acc[tile][mi], a, b[2 * (s % 2)], b[2 * (s % 2) + 1]);
           }
         }
@@ -517,10 +519,14 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   }
   if constexpr (kAhead == 1) {
     for (int i = 0; i < mine; i += 2) {
-      if (i + 1 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 1) * kStride, b1);
+      if (i + 1 < mine) {
+        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 1) * kStride, b1);
+      }
       mma_chunk<F, V, kMats, kTiles, kStaged>(b0, rows, first + i * kStride, tiles, acc);
       if (i + 1 >= mine) break;
-      if (i + 2 < mine) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 2) * kStride, b0);
+      if (i + 2 < mine) {
+        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (i + 2) * kStride, b0);
+      }
       mma_chunk<F, V, kMats, kTiles, kStaged>(b1, rows, first + (i + 1) * kStride, tiles, acc);
     }
   } else {
@@ -528,7 +534,8 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
     const auto step = [&](int j, const Chunk<F, V, kMats, kTiled>& ch, Chunk<F, V, kMats, kTiled>& next) {
       if (j >= mine) return false;
       if (j + kAhead < mine) {
-        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (j + kAhead) * kStride, next);
+        load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, true, kTiled>(rows, first + (j + kAhead) * kStride,
+                                                                                        next);
       }
       mma_chunk<F, V, kMats, kTiles, kStaged>(ch, rows, first + j * kStride, tiles, acc);
       return true;
@@ -683,7 +690,9 @@ enum : int { kPathAny = -1, kPathNvfp4Tiled, kPathNvfp4Aligned, kPathNvfp4, kPat
 
 __device__ __forceinline__ int weight_path(const DevMatrix& m) {
   const WeightFormat format = static_cast<WeightFormat>(m.format);
-  if (format == WeightFormat::kNVFP4) return nvfp4_tiled(m) ? kPathNvfp4Tiled : (nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4);
+  if (format == WeightFormat::kNVFP4) {
+    return nvfp4_tiled(m) ? kPathNvfp4Tiled : (nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4);
+  }
   if (format == WeightFormat::kFP8) {
     return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128) ? kPathFp8Block : kPathFp8;
   }
