@@ -25,6 +25,8 @@
 #include <random>
 #include <vector>
 
+#include "cuda/weight_tiles.h"  // the tile layout the kernels read (kTileBytes, kScaleTileBytes)
+
 namespace {
 
 #define CHECK(call)                                                                      \
@@ -84,12 +86,14 @@ __device__ __forceinline__ void load_step(const Params& p, const uint8_t* codes,
   for (int mi = 0; mi < kMats; ++mi) {
     const int64_t first_row = static_cast<int64_t>(mi) * p.rows + row0;
     if constexpr (kTiled) {
-      // Panel of 16 rows: chunk after chunk, 1 KB each (rows gid and gid + 8 of a chunk are the
-      // lane's 16 bytes in its first and second 512-byte half); scale codes 128 bytes per chunk.
-      const uint8_t* panel = codes + first_row * (p.k / 2) + static_cast<int64_t>(k0 / kChunkCols) * 1024;
+      // Panel of 16 rows: chunk after chunk, one tile each (rows gid and gid + 8 of a chunk are
+      // the lane's 16 bytes in its first and second half); scale codes one scale tile per chunk.
+      using moeinfer::cuda::kScaleTileBytes, moeinfer::cuda::kTileBytes;
+      const uint8_t* panel = codes + first_row * (p.k / 2) + static_cast<int64_t>(k0 / kChunkCols) * kTileBytes;
       ch.w[mi][0] = load_stream(panel + 16 * lane);
-      ch.w[mi][1] = load_stream(panel + 512 + 16 * lane);
-      ch.s[mi] = __ldg(reinterpret_cast<const uint32_t*>(scales + first_row * (p.k / 16) + (k0 / kChunkCols) * 128) + lane);
+      ch.w[mi][1] = load_stream(panel + kTileBytes / 2 + 16 * lane);
+      ch.s[mi] = __ldg(reinterpret_cast<const uint32_t*>(scales + first_row * (p.k / 16) + (k0 / kChunkCols) * kScaleTileBytes) +
+                       lane);
     } else {
       uint32_t codes_here = 0;
 #pragma unroll
