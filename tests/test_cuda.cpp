@@ -357,6 +357,98 @@ TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
   EXPECT_NE(big->call_config(513).find("; router fma"), std::string::npos) << big->call_config(513);
 }
 
+// The selection's tie rule (equal keys go to the lower expert index), on routers whose rows repeat
+// every 7 (or 5) rows, so that each logit value is shared by dozens of experts and the top k is
+// decided by index alone among them. One token past 128 experts runs the whole-block selection
+// (each warp's own top k, then warp 0's merge of the 8 lists: 512 experts put the lowest indices
+// of one value in several warps' lists), else, and at 2 and 9 tokens, one warp per token.
+// Group-limited routing (DeepSeek's 8 groups, 4 kept) ties whole groups too. Top-32 of 160 with a
+// shared expert is 33 routes per token: one token's grouping then takes the block-wide count. The reference breaks ties the same way, so one wrong
+// choice (a whole expert's share of the output) would land far past the tolerance. DeepSeek's
+// correction biases repeat with its rows, so that its keys tie as well as its scores.
+TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
+  const std::vector<std::pair<Family, FamilyShape>> shapes = {
+      {Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 512, .top_k = 10, .shared_intermediate = 32}},
+      {Family::kQwen3Moe, {.hidden = 64, .intermediate = 32, .num_experts = 128, .top_k = 8}},
+      {Family::kDeepseekV3, {.hidden = 64, .intermediate = 32, .num_experts = 256, .top_k = 8, .shared_intermediate = 32,
+                             .routed_scaling_factor = 2.5, .n_group = 8, .topk_group = 4}},
+      {Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 160, .top_k = 32, .shared_intermediate = 32}},
+  };
+  int checked = 0;
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 17));
+    const int period = family == Family::kDeepseekV3 ? 5 : 7;
+    std::vector<float> router = layer.router.dequantize();
+    const int64_t h = d.hidden;
+    for (int64_t r = period; r < layer.router.rows; ++r) {
+      std::copy_n(router.begin() + (r % period) * h, h, router.begin() + r * h);
+    }
+    layer.router = take(QuantMatrix::quantize(router, layer.router.rows, h, layer.router.spec));
+    for (size_t e = period; e < layer.correction_bias.size(); ++e) layer.correction_bias[e] = layer.correction_bias[e % period];
+    for (const int64_t n : {1, 2, 9}) {
+      const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 60);
+      std::vector<float> expected(tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+      DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+      x.put(tokens);
+      std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
+      out.poison();
+      ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      const std::string what = fmt::format("{}, n {}", describe_shape(d), n);
+      ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+      EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 4 * 3);
+}
+
+// The blend's variants (cuda::blend_loads_first, blend_aligned) add the same terms in the same
+// order, so their outputs agree bit for bit: one output per thread with all loads first within a
+// wave (N = 1, 7: both outputs below), past it (N = 256 at H = 384: 512 blocks) four per thread
+// where x and out are 16-byte aligned, else the loop. An output one float past an aligned
+// buffer's start is not aligned.
+// Zero experts (LongCat) and a gated shared expert (Qwen3-Next) take the blend's other terms.
+TEST_F(Cuda, BlendVariantsAgreeBitForBit) {
+  const std::vector<std::pair<Family, FamilyShape>> shapes = {
+      {Family::kQwen3Next, {.hidden = 384, .intermediate = 64, .num_experts = 32, .top_k = 4, .shared_intermediate = 64}},
+      {Family::kLongcatFlash, {.hidden = 384, .intermediate = 32, .num_experts = 16, .top_k = 6, .num_zero_experts = 8}},
+  };
+  int checked = 0;
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 23));
+    const int64_t h = d.hidden;
+    std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, 256));
+    for (const int64_t n : {1, 7, 256}) {
+      const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 70);
+      DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h + 4));
+      x.put(tokens);
+      const std::string what = fmt::format("{}, n {}", describe_shape(d), n);
+      ASSERT_TRUE(cuda::blend_aligned(static_cast<int>(h), x.ptr, out.ptr)) << what;
+      ASSERT_FALSE(cuda::blend_aligned(static_cast<int>(h), x.ptr, out.ptr + 1)) << what;
+      std::vector<std::vector<float>> got;
+      for (const int offset : {0, 1}) {
+        out.poison();
+        ASSERT_OK(moe->forward(x.ptr, n, out.ptr + offset, nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> all = out.get();
+        got.emplace_back(all.begin() + offset, all.begin() + offset + n * h);
+        ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); })) << what;
+      }
+      EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
+      std::vector<float> expected(tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+      EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 3);
+}
+
 TEST_F(Cuda, ForcedTokenMajorOnARaggedShapeIsANamedRefusal) {
   const LayerDesc d = family_layer(Family::kMixtral, {.hidden = 100, .intermediate = 36, .num_experts = 4, .top_k = 2});
   const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));

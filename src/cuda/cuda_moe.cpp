@@ -138,8 +138,9 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
   if (!scales.ok()) return scales.status();
   d.scales = *scales;
   // An NVFP4 matrix in tiles has its block scales in scale tiles (cuda/weight_tiles.h).
+  const bool scale_tiles = d.tiled && m.spec.format == WeightFormat::kNVFP4;
   std::vector<uint8_t> tiled_scales;
-  if (d.tiled && m.spec.format == WeightFormat::kNVFP4) {
+  if (scale_tiles) {
     const int64_t per_row = m.cols / kNvfp4Group;
     tiled_scales.resize(m.block_scales.size());
     for (int64_t r = 0; r < m.rows; ++r) {
@@ -149,8 +150,7 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
       }
     }
   }
-  Result<const uint8_t*> block_scales = arena.upload(d.tiled && m.spec.format == WeightFormat::kNVFP4 ? tiled_scales
-                                                                                                   : m.block_scales);
+  Result<const uint8_t*> block_scales = arena.upload(scale_tiles ? tiled_scales : m.block_scales);
   if (!block_scales.ok()) return block_scales.status();
   d.block_scales = *block_scales;
   Result<const float*> b = arena.upload(bias);

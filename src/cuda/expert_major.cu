@@ -745,7 +745,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 #pragma unroll
   for (int mi = 0; mi < kMats; ++mi) {
     const DevMatrix& m = *mats[mi];
-    const int64_t row_bytes = format == WeightFormat::kNVFP4 ? m.cols / 2 : (format == WeightFormat::kFP8 ? m.cols : 2 * m.cols);
+    const int64_t row_bytes = weight_row_bytes(m);
     aligned16 = aligned16 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
                 reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
     smem_scales = smem_scales && reinterpret_cast<uintptr_t>(m.block_scales) % 8 == 0 && !m.tiled;

@@ -562,6 +562,43 @@ __device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool 
   return w * L.scaling;
 }
 
+// An expert's score from its logit (DESIGN.md section 2), in fp32 as the reference blocks compute
+// it; softmax's exponential only (the caller divides by the sum).
+__device__ __forceinline__ float expert_score(const DevLayer& L, float logit, float max_logit) {
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return expf(logit - max_logit);
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return 1.0f / (1.0f + expf(-logit));
+  return logit;
+}
+
+// Group-limited routing, by one warp over one token's keys in shared memory: a group scores the
+// sum of its two best keys, and bit g of the result is set for the topk_group best groups. Lane g
+// scores group g (n_group <= 32). Every lane returns the mask.
+__device__ __forceinline__ uint32_t kept_groups(const DevLayer& L, const float* keys) {
+  const int lane = threadIdx.x % kWarp, group_size = L.num_experts / L.n_group;
+  ArgMax group{-INFINITY, INT_MAX};
+  if (lane < L.n_group) {
+    float first = -INFINITY, second = -INFINITY;
+    for (int i = 0; i < group_size; ++i) {
+      const float v = keys[lane * group_size + i];
+      if (v > first) {
+        second = first;
+        first = v;
+      } else if (v > second) {
+        second = v;
+      }
+    }
+    group = ArgMax{first + second, lane};
+  }
+  __syncwarp();
+  uint32_t kept = 0;
+  for (int j = 0; j < L.topk_group; ++j) {
+    const ArgMax best = warp_argmax(group);
+    if (best.index >= 0 && best.index < kWarp) kept |= 1u << best.index;
+    if (lane == best.index) group.value = -INFINITY, group.index = INT_MAX;
+  }
+  return kept;
+}
+
 // The selection of DESIGN.md section 2 for token t by one warp, lane l holding experts
 // l, l + 32, ... (kPerLane of them) in registers; `keys` is this warp's shared scratch of
 // E + Z floats, used only for group-limited routing.
@@ -585,8 +622,7 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + kWarp * i;
     if (e >= outputs) continue;
-    if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) score[i] = expf(score[i] - max_logit);
-    if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) score[i] = 1.0f / (1.0f + expf(-score[i]));
+    score[i] = expert_score(L, score[i], max_logit);
     sum += score[i];
   }
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
@@ -610,27 +646,7 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
       if (e < outputs) keys[e] = key[i];
     }
     __syncwarp();
-    ArgMax group{-INFINITY, INT_MAX};
-    if (lane < L.n_group) {
-      float first = -INFINITY, second = -INFINITY;
-      for (int i = 0; i < group_size; ++i) {
-        const float v = keys[lane * group_size + i];
-        if (v > first) {
-          second = first;
-          first = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      group = ArgMax{first + second, lane};
-    }
-    __syncwarp();
-    uint32_t kept = 0;
-    for (int j = 0; j < L.topk_group; ++j) {
-      const ArgMax best = warp_argmax(group);
-      if (best.index >= 0 && best.index < kWarp) kept |= 1u << best.index;
-      if (lane == best.index) group.value = -INFINITY, group.index = INT_MAX;
-    }
+    const uint32_t kept = kept_groups(L, keys);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int e = lane + kWarp * i;
@@ -701,7 +717,7 @@ __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWor
 // within an expert does not matter: each route's output column is computed on its own.
 // `counts` is shared memory for 2 x (E + shared) ints; `ids`, where not null, the routed
 // experts' ids in shared memory (else they are read from ws.ids).
-template <int kThreads>
+template <int kThreads, int kBatch = 8>
 __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts,
                              const int* ids = nullptr) {
   using Scan = cub::BlockScan<int, kThreads>;
@@ -709,11 +725,33 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   int* cursor = counts + experts;
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
+  // A thread's routes kBatch at a time, their ids' loads issued before any is used: a loop over
+  // one route at a time waits an L2 round trip per route (11 in turn at qwen3-next N = 256). With
+  // the ids in shared memory (`ids`), one at a time: eight there, in a build that also compiled the
+  // one-token selection into moe_route_warps, ran 0.97-0.99x at qwen3 N = 2-8, and with both undone
+  // 0.99-1.01x (docs/PERF.md v3.18).
+  const int routed = n * L.top_k;
+  const auto batch = [&](int r0, int (&e)[kBatch]) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int r = r0 + u * kThreads;
+      e[u] = r < routed ? (ids != nullptr ? ids[r] : __ldcg(ws.ids + r)) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {  // as route_table_index
+      const int r = r0 + u * kThreads;
+      e[u] = r >= routes ? -1 : (r >= routed ? L.num_experts : (owns_expert(L, e[u]) ? e[u] : -1));
+    }
+  };
   for (int e = threadIdx.x; e < experts; e += kThreads) counts[e] = 0;
   __syncthreads();
-  for (int r = threadIdx.x; r < routes; r += kThreads) {
-    const int e = route_table_index(L, ws, n, r, ids);
-    if (e >= 0) atomicAdd(counts + e, 1);
+  for (int r0 = threadIdx.x; r0 < routes; r0 += kBatch * kThreads) {
+    int e[kBatch];
+    batch(r0, e);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (e[u] >= 0) atomicAdd(counts + e[u], 1);
+    }
   }
   __syncthreads();
 
@@ -739,9 +777,13 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
     route_base += counts[e];
   }
   __syncthreads();
-  for (int r = threadIdx.x; r < routes; r += kThreads) {
-    const int e = route_table_index(L, ws, n, r, ids);
-    if (e >= 0) ws.route_list[atomicAdd(cursor + e, 1)] = r;
+  for (int r0 = threadIdx.x; r0 < routes; r0 += kBatch * kThreads) {
+    int e[kBatch];
+    batch(r0, e);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (e[u] >= 0) ws.route_list[atomicAdd(cursor + e[u], 1)] = r0 + u * kThreads;
+    }
   }
 }
 
@@ -775,6 +817,149 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 // selection. A grid of one block (n <= 8) groups at once, from its choices in shared memory: no
 // fence, no counter, no L2 round trip for the ids; one token, by its own warp (group_one_token).
 constexpr int kRouteWarps = 8;
+
+// The selection of DESIGN.md section 2 for a call's only token by a whole block of kRouteWarps
+// warps, so that each step's chain is an eighth of one warp's: thread i holds experts i, i + 256,
+// ... (kPerThread of them). Max and sum go through shared memory (every thread adds the warps'
+// parts in warp order, so all get the same values); each warp then finds its own experts' top k,
+// sorted, and warp 0 merges the 8 lists, one head per lane. Equal keys go to the lower expert
+// index at both steps (the tie rule of every backend). `smem` holds 2 (E + Z) floats: the scores,
+// then the keys for group-limited routing. The choices go to ws and to `ids` (shared memory).
+template <int kPerThread>
+__device__ void route_one_token_block(const DevLayer& L, const DevWorkspace& ws, float* smem, int* ids) {
+  constexpr int kThreads = kRouteWarps * kWarp;
+  __shared__ float parts[kRouteWarps];
+  __shared__ uint32_t kept;
+  __shared__ uint32_t list_bits[kRouteWarps][kWarp];
+  __shared__ uint32_t list_ids[kRouteWarps][kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, outputs = L.router_outputs;
+  float* scores = smem;
+  float* keys = smem + outputs;
+  const bool softmax = L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax);
+  // Adds (or takes the maximum of) one value per thread over the block.
+  const auto block_reduce = [&](float v, bool max) {
+    for (int o = kWarp / 2; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      v = max ? fmaxf(v, other) : v + other;
+    }
+    if (lane == 0) parts[warp] = v;
+    __syncthreads();
+    v = parts[0];
+    for (int w = 1; w < kRouteWarps; ++w) v = max ? fmaxf(v, parts[w]) : v + parts[w];
+    __syncthreads();  // parts is read before it is written again
+    return v;
+  };
+
+  float score[kPerThread];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + kThreads * i;
+    score[i] = e < outputs ? ws.logits[e] : -INFINITY;
+    max_logit = fmaxf(max_logit, score[i]);
+  }
+  if (softmax) max_logit = block_reduce(max_logit, true);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (threadIdx.x + kThreads * i >= outputs) continue;
+    score[i] = expert_score(L, score[i], max_logit);
+    sum += score[i];
+  }
+  if (softmax) sum = block_reduce(sum, false);
+  float key[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + kThreads * i;
+    if (softmax) score[i] /= sum;
+    key[i] = e < outputs ? score[i] + (L.correction_bias ? L.correction_bias_values[e] : 0.0f) : -INFINITY;
+    if (e < outputs) scores[e] = score[i], keys[e] = key[i];
+  }
+  __syncthreads();
+  if (L.n_group > 1) {
+    if (warp == 0) {
+      const uint32_t mask = kept_groups(L, keys);
+      if (lane == 0) kept = mask;
+    }
+    __syncthreads();
+    const int group_size = L.num_experts / L.n_group;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int e = threadIdx.x + kThreads * i;
+      if (e < L.num_experts && !((kept >> (e / group_size)) & 1u)) key[i] = -INFINITY;
+    }
+  }
+
+  // This warp's top k of its experts (fewer where it holds fewer: the rest of its list is taken
+  // entries, whose order bits lie below every key's), in order.
+  uint32_t bits[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    bits[i] = threadIdx.x + kThreads * i < outputs ? order_bits(key[i]) : kTakenBits;
+  }
+  for (int j = 0; j < L.top_k; ++j) {
+    uint32_t best = bits[0];
+    int slot = 0;
+#pragma unroll
+    for (int i = 1; i < kPerThread; ++i) {
+      if (bits[i] > best) best = bits[i], slot = i;
+    }
+    const uint32_t top = __reduce_max_sync(0xFFFFFFFFu, best);
+    const uint32_t id = static_cast<uint32_t>(threadIdx.x + kThreads * slot);
+    const uint32_t lowest = __reduce_min_sync(0xFFFFFFFFu, best == top ? id : ~0u);
+    if (lane == j) list_bits[warp][j] = top, list_ids[warp][j] = lowest;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (threadIdx.x + kThreads * i == lowest) bits[i] = kTakenBits;
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+
+  // Warp 0 merges: lane w < kRouteWarps holds the head of warp w's list.
+  int head = 0, my_id = 0;
+  for (int j = 0; j < L.top_k; ++j) {
+    const bool live = lane < kRouteWarps;
+    const uint32_t b = live ? list_bits[lane][head] : kTakenBits;
+    const uint32_t id = live ? list_ids[lane][head] : ~0u;
+    const uint32_t top = __reduce_max_sync(0xFFFFFFFFu, b);
+    const uint32_t lowest = __reduce_min_sync(0xFFFFFFFFu, b == top ? id : ~0u);
+    if (live && b == top && id == lowest) ++head;
+    // Only NaN keys (from a NaN input) can leave nothing sensible; stay in range regardless.
+    if (lane == j) my_id = lowest < static_cast<uint32_t>(outputs) ? static_cast<int>(lowest) : 0;
+  }
+  const bool mine = lane < L.top_k;
+  const float w = chosen_weight(L, mine ? scores[my_id] : 0.0f, mine);
+  if (mine) {
+    ws.ids[lane] = my_id;
+    ws.weights[lane] = w;
+    ids[lane] = my_id;
+  }
+}
+
+// A call of one token selects on a whole block (moe_route_one_token) from this many logits per lane
+// of the one-warp selection (router outputs past 128). Measured on the H200 against one warp
+// (docs/PERF.md v3.18): 1.06-1.07x per call at qwen3-next's 512, 1.02-1.03x at DeepSeek-V3's 256,
+// 0.98x at qwen3-30b's 128 (from 4 logits per lane, a variant build).
+constexpr int kBlockSelectFromPerLane = 8;
+
+// Grid: 1 block of kRouteWarps warps, for a call of one token: its selection by the whole block
+// (route_one_token_block), then (group > 0) its grouping, by warp 0 where its routes fit one warp.
+// Dynamic shared memory: the selection's 2 (E + Z) floats, and group_routes' 2 x experts ints.
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(DevLayer L, int group, DevWorkspace ws) {
+  extern __shared__ float route_smem[];
+  __shared__ int block_ids[kWarp];
+  route_one_token_block<(kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp)>(L, ws, route_smem, block_ids);
+  if (group == 0) return;
+  if (L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {
+    if (threadIdx.x < kWarp) group_one_token(L, ws, block_ids);
+    return;
+  }
+  __syncthreads();
+  group_routes<kRouteWarps * kWarp, 1>(L, 1, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
+}
+
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
@@ -791,7 +976,7 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLay
   }
   if (one_block) {
     __syncthreads();
-    group_routes<kRouteWarps * kWarp>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
+    group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
     return;
   }
   // Publish this block's choices, then count finished blocks; the last one sees them all.
@@ -833,9 +1018,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, De
   }
   float local_sum = 0.0f;
   for (int e = threadIdx.x; e < outputs; e += blockDim.x) {
-    float s = logits[e];
-    if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) s = expf(s - max_logit);
-    if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) s = 1.0f / (1.0f + expf(-s));
+    const float s = expert_score(L, logits[e], max_logit);
     scores[e] = s;
     local_sum += s;
   }
@@ -970,65 +1153,100 @@ __global__ void __launch_bounds__(kTmWarps * kWarp, 4) moe_down_token_major(DevL
   }
 }
 
-// Grid: (ceil(H / 256), n). Block: 256 threads, one output element each:
+// Grid: (ceil(H / (kWidth blockDim.x)), n). Block: kWidth consecutive output elements per thread:
 // out = sum_j w_j * y_j (y_j = x for zero experts; w_j = 1 when it scaled the input) + gate * shared,
 // over the experts this rank runs (all of them without expert parallelism), summed in route
 // order either way. kLoadsFirst: every load is issued before any sum needs one (each y_j is read
 // whatever expert j is: expert_out has a row per route, and unused rows hold stale values that are
 // never added), so a thread waits about one L2 round trip instead of two per route, at 78
 // registers against 32. Else the loop reads each route's id, then its y_j, at full occupancy.
-// launch_moe_blend picks by the grid (blend_loads_first).
+// kWidth 4 (loads first only): 16-byte loads and stores, so a quarter of the threads keep all of
+// their loads in flight where one element per thread would take more than a wave (N >= 50 at
+// H = 2048 on the H200). launch_moe_blend picks (blend_loads_first, blend_aligned). Every variant
+// adds the same terms in the same order: their outputs are equal bit for bit.
 constexpr int kBlendRoutes = 16;  // routes whose loads are in flight at once
-template <bool kLoadsFirst>
+
+template <int kWidth>
+struct BlendFloats {
+  float v[kWidth];
+};
+
+template <int kWidth>
+__device__ __forceinline__ BlendFloats<kWidth> load_blend(const float* p) {
+  BlendFloats<kWidth> f;
+  if constexpr (kWidth == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    f.v[0] = q.x, f.v[1] = q.y, f.v[2] = q.z, f.v[3] = q.w;
+  } else {
+    f.v[0] = *p;
+  }
+  return f;
+}
+
+template <bool kLoadsFirst, int kWidth = 1>
 __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
+  static_assert(kWidth == 1 || (kWidth == 4 && kLoadsFirst));
   const int t = blockIdx.y;
-  const int h = blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = kWidth * (blockIdx.x * blockDim.x + threadIdx.x);
   if (h >= L.hidden) return;
   const int64_t H = L.hidden;
-  float acc = 0.0f;
+  BlendFloats<kWidth> acc = {};
   if constexpr (kLoadsFirst) {
-    const float xv = x[t * H + h];
-    float shared = 0.0f, gate = 1.0f;
+    const BlendFloats<kWidth> xv = load_blend<kWidth>(x + t * H + h);
+    BlendFloats<kWidth> shared = {};
+    float gate = 1.0f;
     if (L.has_shared) {
-      shared = ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
+      shared = load_blend<kWidth>(ws.expert_out + (static_cast<int64_t>(n) * L.top_k + t) * H + h);
       if (L.shared_gate) gate = ws.shared_gate[t];
     }
     for (int j0 = 0; j0 < L.top_k; j0 += kBlendRoutes) {
       int id[kBlendRoutes];
-      float w[kBlendRoutes], y[kBlendRoutes];
+      float w[kBlendRoutes];
+      BlendFloats<kWidth> y[kBlendRoutes];
 #pragma unroll
       for (int u = 0; u < kBlendRoutes; ++u) {
         const int route = t * L.top_k + j0 + u;
-        if (j0 + u < L.top_k) id[u] = ws.ids[route], w[u] = ws.weights[route], y[u] = ws.expert_out[route * H + h];
+        if (j0 + u < L.top_k) id[u] = ws.ids[route], w[u] = ws.weights[route], y[u] = load_blend<kWidth>(ws.expert_out + route * H + h);
       }
 #pragma unroll
       for (int u = 0; u < kBlendRoutes; ++u) {
         if (j0 + u >= L.top_k) break;
-        if (id[u] >= L.num_experts) {
-          if (L.adds_once) acc += w[u] * xv;
-        } else if (owns_expert(L, id[u])) {
-          acc += (L.weight_on_input ? 1.0f : w[u]) * y[u];
+#pragma unroll
+        for (int c = 0; c < kWidth; ++c) {
+          if (id[u] >= L.num_experts) {
+            if (L.adds_once) acc.v[c] += w[u] * xv.v[c];
+          } else if (owns_expert(L, id[u])) {
+            acc.v[c] += (L.weight_on_input ? 1.0f : w[u]) * y[u].v[c];
+          }
         }
       }
     }
-    if (L.has_shared) acc += gate * shared;
+#pragma unroll
+    for (int c = 0; c < kWidth; ++c) {
+      if (L.has_shared) acc.v[c] += gate * shared.v[c];
+    }
   } else {
+    float& a = acc.v[0];
     for (int j = 0; j < L.top_k; ++j) {
       const int route = t * L.top_k + j;
       const int id = ws.ids[route];
       const float w = ws.weights[route];
       if (id >= L.num_experts) {
-        if (L.adds_once) acc += w * x[t * H + h];
+        if (L.adds_once) a += w * x[t * H + h];
       } else if (owns_expert(L, id)) {
-        acc += (L.weight_on_input ? 1.0f : w) * ws.expert_out[route * H + h];
+        a += (L.weight_on_input ? 1.0f : w) * ws.expert_out[route * H + h];
       }
     }
     if (L.has_shared) {
       const float gate = L.shared_gate ? ws.shared_gate[t] : 1.0f;
-      acc += gate * ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
+      a += gate * ws.expert_out[(static_cast<int64_t>(n) * L.top_k + t) * H + h];
     }
   }
-  out[t * H + h] = acc;
+  if constexpr (kWidth == 4) {
+    *reinterpret_cast<float4*>(out + t * H + h) = make_float4(acc.v[0], acc.v[1], acc.v[2], acc.v[3]);
+  } else {
+    out[t * H + h] = acc.v[0];
+  }
 }
 
 // ---- per-row fallback --------------------------------------------------------------------------
@@ -1084,6 +1302,9 @@ cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const Dev
   const dim3 grid((L.hidden + 255) / 256, n);
   if (blend_loads_first(static_cast<int64_t>(grid.x) * grid.y, L.blend_resident, L.sm_count)) {
     moe_blend<true><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
+  } else if (blend_aligned(L.hidden, x, out)) {
+    constexpr int kThreads = 128;
+    moe_blend<true, 4><<<dim3((L.hidden + 4 * kThreads - 1) / (4 * kThreads), n), kThreads, 0, stream>>>(L, x, n, ws, out);
   } else {
     moe_blend<false><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
   }
@@ -1104,6 +1325,15 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
                                cudaStream_t stream) {
   const size_t experts = static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0);
   const size_t keys = L.n_group > 1 ? kRouteWarps * static_cast<size_t>(L.router_outputs) * sizeof(float) : 0;
+  if constexpr (kPerLane >= kBlockSelectFromPerLane) {
+    if (n == 1) {
+      const size_t smem = std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float), 2 * experts * sizeof(int));
+      const cudaError_t err = allow_smem(moe_route_one_token<kPerLane>, smem);
+      if (err != cudaSuccess) return err;
+      moe_route_one_token<kPerLane><<<1, kRouteWarps * kWarp, smem, stream>>>(L, group, ws);
+      return cudaGetLastError();
+    }
+  }
   const size_t smem = std::max(keys, 2 * experts * sizeof(int));
   const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
   if (err != cudaSuccess) return err;

@@ -406,6 +406,16 @@ cudaError_t launch_moe_expert_major(const DevLayer& layer, const float* x, int n
 inline bool blend_loads_first(int64_t blocks, int resident_per_sm, int sm_count) {
   return blocks <= static_cast<int64_t>(resident_per_sm) * sm_count;
 }
+// Whether the blend may run four outputs per thread (16-byte loads and stores): H % 4 == 0, and x
+// and out 16-byte aligned (expert_out's rows then are too). It does where the one-per-thread
+// loads-first grid would not fit one wave (blend_loads_first): there a quarter of the threads
+// still issue all their loads first, instead of the loop's two round trips per route. Within one
+// wave one per thread stays: four per thread everywhere was part of a build that lost 1-3% at
+// qwen3 N = 1-8, where its effect was not measured apart (docs/PERF.md v3.18).
+inline bool blend_aligned(int hidden, const float* x, const float* out) {
+  const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return hidden % 4 == 0 && aligned(x) && aligned(out);
+}
 // The blocks of 256 threads of the loads-first blend that one SM of the current device holds.
 cudaError_t blend_resident_per_sm(int* blocks);
 cudaError_t launch_moe_blend(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, float* out,
