@@ -363,9 +363,10 @@ TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
 // (each warp's own top k, then warp 0's merge of the 8 lists: 512 experts put the lowest indices
 // of one value in several warps' lists), else, and at 2 and 9 tokens, one warp per token.
 // Group-limited routing (DeepSeek's 8 groups, 4 kept) ties whole groups too. Top-32 of 160 with a
-// shared expert is 33 routes per token: one token's grouping then takes the block-wide count. The reference breaks ties the same way, so one wrong
-// choice (a whole expert's share of the output) would land far past the tolerance. DeepSeek's
-// correction biases repeat with its rows, so that its keys tie as well as its scores.
+// shared expert is 33 routes per token: one token's grouping then takes the block-wide count. The
+// reference breaks ties the same way, so one wrong choice (a whole expert's share of the output)
+// would land far past the tolerance. DeepSeek's correction biases repeat with its rows, so that
+// its keys tie as well as its scores.
 TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
   const std::vector<std::pair<Family, FamilyShape>> shapes = {
       {Family::kQwen3Next, {.hidden = 64, .intermediate = 32, .num_experts = 512, .top_k = 10, .shared_intermediate = 32}},

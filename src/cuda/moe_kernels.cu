@@ -950,7 +950,8 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(DevLayer L, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];
   __shared__ int block_ids[kWarp];
-  route_one_token_block<(kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp)>(L, ws, route_smem, block_ids);
+  constexpr int kPerThread = (kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp);
+  route_one_token_block<kPerThread>(L, ws, route_smem, block_ids);
   if (group == 0) return;
   if (L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {
     if (threadIdx.x < kWarp) group_one_token(L, ws, block_ids);
@@ -1206,7 +1207,10 @@ __global__ void moe_blend(DevLayer L, const float* x, int n, DevWorkspace ws, fl
 #pragma unroll
       for (int u = 0; u < kBlendRoutes; ++u) {
         const int route = t * L.top_k + j0 + u;
-        if (j0 + u < L.top_k) id[u] = ws.ids[route], w[u] = ws.weights[route], y[u] = load_blend<kWidth>(ws.expert_out + route * H + h);
+        if (j0 + u < L.top_k) {
+          id[u] = ws.ids[route], w[u] = ws.weights[route];
+          y[u] = load_blend<kWidth>(ws.expert_out + route * H + h);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kBlendRoutes; ++u) {
@@ -1304,7 +1308,8 @@ cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const Dev
     moe_blend<true><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
   } else if (blend_aligned(L.hidden, x, out)) {
     constexpr int kThreads = 128;
-    moe_blend<true, 4><<<dim3((L.hidden + 4 * kThreads - 1) / (4 * kThreads), n), kThreads, 0, stream>>>(L, x, n, ws, out);
+    const dim3 wide((L.hidden + 4 * kThreads - 1) / (4 * kThreads), n);
+    moe_blend<true, 4><<<wide, kThreads, 0, stream>>>(L, x, n, ws, out);
   } else {
     moe_blend<false><<<grid, 256, 0, stream>>>(L, x, n, ws, out);
   }
@@ -1327,7 +1332,8 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
   const size_t keys = L.n_group > 1 ? kRouteWarps * static_cast<size_t>(L.router_outputs) * sizeof(float) : 0;
   if constexpr (kPerLane >= kBlockSelectFromPerLane) {
     if (n == 1) {
-      const size_t smem = std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float), 2 * experts * sizeof(int));
+      const size_t smem =
+          std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float), 2 * experts * sizeof(int));
       const cudaError_t err = allow_smem(moe_route_one_token<kPerLane>, smem);
       if (err != cudaSuccess) return err;
       moe_route_one_token<kPerLane><<<1, kRouteWarps * kWarp, smem, stream>>>(L, group, ws);
