@@ -704,12 +704,19 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
 // The expert (table index) a route runs on here, or -1 for a zero-computation expert and for an
 // expert another rank owns. The routed experts' ids come from `ids` where the caller has them in
 // shared memory, else from ws.ids.
+// route_table_index in two steps, so that a caller can issue several routes' loads before it maps
+// any: the routed expert's id (routes < routed), then the table index from it.
+__device__ __forceinline__ int routed_id(const DevWorkspace& ws, int route, const int* ids) {
+  return ids != nullptr ? ids[route] : __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
+}
+__device__ __forceinline__ int table_index_of(const DevLayer& L, int routed, int route, int id) {
+  if (route >= routed) return L.num_experts;  // the shared expert
+  return owns_expert(L, id) ? id : -1;
+}
 __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route,
                                                  const int* ids) {
   const int routed = n * L.top_k;
-  if (route >= routed) return L.num_experts;  // the shared expert
-  const int id = ids != nullptr ? ids[route] : __ldcg(ws.ids + route);  // written by other blocks of this kernel: skip L1
-  return owns_expert(L, id) ? id : -1;
+  return table_index_of(L, routed, route, route < routed ? routed_id(ws, route, ids) : 0);
 }
 
 // By a whole block of kThreads: counts routes per expert, scans the counts, writes the work
@@ -735,12 +742,12 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int r = r0 + u * kThreads;
-      e[u] = r < routed ? (ids != nullptr ? ids[r] : __ldcg(ws.ids + r)) : 0;
+      e[u] = r < routed ? routed_id(ws, r, ids) : 0;
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {  // as route_table_index
+    for (int u = 0; u < kBatch; ++u) {
       const int r = r0 + u * kThreads;
-      e[u] = r >= routes ? -1 : (r >= routed ? L.num_experts : (owns_expert(L, e[u]) ? e[u] : -1));
+      e[u] = r < routes ? table_index_of(L, routed, r, e[u]) : -1;
     }
   };
   for (int e = threadIdx.x; e < experts; e += kThreads) counts[e] = 0;
