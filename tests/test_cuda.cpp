@@ -122,6 +122,11 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
   EXPECT_EQ(moe->forward(x.ptr, 5, out.ptr, nullptr).message(), "5 tokens: this CudaMoe was planned for 1 to 4");
   EXPECT_EQ(moe->forward(x.ptr, 0, out.ptr, nullptr).message(), "0 tokens: this CudaMoe was planned for 1 to 4");
   EXPECT_EQ(moe->forward(nullptr, 1, out.ptr, nullptr).message(), "forward: null input or output pointer");
+  const Status misaligned = moe->forward(x.ptr + 1, 1, out.ptr, nullptr);
+  EXPECT_EQ(misaligned.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(misaligned.message().find("is not 16-byte aligned; hidden size 64 is read 16 bytes at a time"), std::string::npos)
+      << misaligned.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // nothing was launched
 }
 
 // The expert-major GEMMs with one token tile per item run as split-K kernels (16 rows per block,

@@ -70,7 +70,8 @@ class CudaMoe {
   CudaMoe(const CudaMoe&) = delete;
   CudaMoe& operator=(const CudaMoe&) = delete;
 
-  // x: device [n, H] fp32; out: device [n, H] fp32; stream: a cudaStream_t (nullptr = default).
+  // x: device [n, H] fp32, 16-byte aligned where H % 8 == 0 (cudaMalloc's pointers are); out:
+  // device [n, H] fp32; stream: a cudaStream_t (nullptr = default).
   Status forward(const float* x, int64_t n, float* out, void* stream) const;
 
   const Plan& plan() const;

@@ -452,6 +452,12 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     return invalid_argument(fmt::format("{} tokens: this CudaMoe was planned for 1 to {}", n, impl_->plan.max_tokens));
   }
   if (x == nullptr || out == nullptr) return invalid_argument("forward: null input or output pointer");
+  // Where H % 8 == 0 every path's router (and token-major's dot products) reads x 16 bytes at a
+  // time; a pointer off that alignment would fault on the device.
+  if (impl_->dev.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+    return invalid_argument(fmt::format("forward: x ({}) is not 16-byte aligned; hidden size {} is read 16 bytes at a time",
+                                        static_cast<const void*>(x), impl_->dev.hidden));
+  }
   const auto s = static_cast<cudaStream_t>(stream);
   const int tokens = static_cast<int>(n);
   const PathKind path = impl_->plan.path_for(n);
