@@ -12,6 +12,7 @@
 #include <set>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/nvfp4_scale_fold.h"
 
 #include "moeinfer/backend.h"
 #include "moeinfer/cuda.h"
@@ -62,6 +63,20 @@ CudaMoeOptions router_options(bool mma) {
   CudaMoeOptions options;
   options.router_mma = mma;
   return options;
+}
+
+// Block scale code b of `m` made negative (b % 3 == 1, its codes' signs flipped: the values stay)
+// or zero (b % 7 == 5, 0x00 or 0x80, over the codes it had: those blocks' values become zero).
+void sign_and_zero_scales(QuantMatrix& m) {
+  for (size_t b = 0; b < m.block_scales.size(); ++b) {
+    uint8_t& s = m.block_scales[b];
+    if (b % 7 == 5) {
+      s = b % 2 == 0 ? 0x00 : 0x80;
+    } else if (b % 3 == 1) {
+      s = static_cast<uint8_t>(s | 0x80u);
+      for (size_t i = 0; i < 8; ++i) m.data[8 * b + i] ^= 0x88u;
+    }
+  }
 }
 
 class Cuda : public ::testing::Test {
@@ -449,6 +464,53 @@ TEST_F(Cuda, BlendVariantsAgreeBitForBit) {
       std::vector<float> expected(tokens.size());
       ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
       EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 3);
+}
+
+// NVFP4 block scales are signed E4M3: negative ones (their codes' signs flipped, so the values stay)
+// and zero ones over nonzero codes (those blocks' values become zero) in every expert matrix and
+// the shared expert's. The upload folds both (cuda/nvfp4_scale_fold.h) so that the expert-major
+// decode, which turns scale codes into bf16 by moving bits, sees nonnegative scales over their own
+// codes; every path must match the reference of the same layer. Without the fold, a negative scale
+// decodes far out of range.
+TEST_F(Cuda, Nvfp4NegativeAndZeroScalesMatchTheReference) {
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 16, .top_k = 4,
+                                                        .shared_intermediate = 128});
+  const Layer base = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 29));
+  const Layer* src = &base;
+  Layer layer(d, [src](int e) -> Result<ExpertWeights> {
+    Result<const ExpertWeights*> w = src->expert(e);
+    if (!w.ok()) return w.status();
+    ExpertWeights copy = **w;
+    for (QuantMatrix* m : {&copy.gate, &copy.up, &copy.down}) sign_and_zero_scales(*m);
+    return copy;
+  });
+  layer.expert_spec = base.expert_spec;
+  layer.router = base.router;
+  layer.router_bias = base.router_bias;
+  layer.correction_bias = base.correction_bias;
+  layer.shared = base.shared;
+  for (QuantMatrix* m : {&layer.shared->gate, &layer.shared->up, &layer.shared->down}) sign_and_zero_scales(*m);
+  layer.shared_gate = base.shared_gate;
+  int checked = 0;
+  for (const std::optional<PathKind> path : {std::optional<PathKind>{}, std::optional<PathKind>{PathKind::kTokenMajor}}) {
+    for (const int64_t n : {1, 8, 64}) {
+      const std::vector<float> tokens = make_tokens(n, d.hidden, static_cast<uint64_t>(n) + 90);
+      std::vector<float> expected(tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+      DeviceArray<float> x(tokens.size()), out(tokens.size());
+      x.put(tokens);
+      std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, path));
+      out.poison();
+      ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      const std::string what = fmt::format("{}, n {}", moe->call_config(n), n);
+      ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+      EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
       ++checked;
     }
   }
@@ -993,6 +1055,40 @@ TEST(WeightTiles, ScaleTilesGiveEachLaneItsCodesInOneWord) {
     }
     EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; })) << rows << " x " << per_row;
   }
+}
+
+// The upload's fold (cuda/nvfp4_scale_fold.h) leaves every dequantized value as it was, and every
+// scale nonnegative with zero scales over zero codes; a matrix of positive scales is not copied.
+TEST(Nvfp4ScaleFold, KeepsEveryValue) {
+  const int64_t rows = 48, cols = 96;
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (float& v : values) v = normal(rng);
+  QuantMatrix m = take(QuantMatrix::quantize(values, rows, cols, {WeightFormat::kNVFP4}));
+  std::vector<uint8_t> codes, scales;
+  EXPECT_FALSE(cuda::fold_nvfp4_scale_signs(m.data, m.block_scales, &codes, &scales));
+  EXPECT_TRUE(codes.empty() && scales.empty());
+
+  sign_and_zero_scales(m);
+  ASSERT_TRUE(cuda::fold_nvfp4_scale_signs(m.data, m.block_scales, &codes, &scales));
+  QuantMatrix folded = m;
+  folded.data = codes;
+  folded.block_scales = scales;
+  const std::vector<float> before = m.dequantize(), after = folded.dequantize();
+  int zeros = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    ASSERT_EQ(before[i], after[i]) << "element " << i;  // -0 == +0
+    zeros += after[i] == 0.0f;
+  }
+  EXPECT_GT(zeros, rows * cols / 7);  // the zero blocks, at least
+  for (size_t b = 0; b < scales.size(); ++b) {
+    EXPECT_EQ(scales[b] & 0x80u, 0u) << "block " << b;
+    if (scales[b] == 0) {
+      for (size_t i = 0; i < 8; ++i) EXPECT_EQ(codes[8 * b + i], 0u) << "block " << b;
+    }
+  }
+  EXPECT_EQ(m.data[8 * 1], static_cast<uint8_t>(codes[8 * 1] ^ 0x88u));  // block 1: negative, flipped back
 }
 
 // The expert-major grid and its item buffer are sized on the host from (routes, experts) alone;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/nvfp4_scale_fold.h"
 #include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 
@@ -114,7 +115,14 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
   d.fp8_scaling = static_cast<uint8_t>(m.spec.fp8_scaling);
   d.global_scale = m.global_scale;
   d.scale_cols = m.spec.format == WeightFormat::kFP8 ? static_cast<int32_t>(m.fp8_scale_cols()) : 0;
-  Result<const uint8_t*> data = arena.upload(m.data);
+  // NVFP4: block scales nonnegative, and zero ones over zero codes (cuda/nvfp4_scale_fold.h), in
+  // copies where some block needs it; the caller's matrix is left as it is.
+  std::vector<uint8_t> folded_codes, folded_scales;
+  const bool folded = m.spec.format == WeightFormat::kNVFP4 &&
+                      cuda::fold_nvfp4_scale_signs(m.data, m.block_scales, &folded_codes, &folded_scales);
+  const std::vector<uint8_t>& codes = folded ? folded_codes : m.data;
+  const std::vector<uint8_t>& block_scale_codes = folded ? folded_scales : m.block_scales;
+  Result<const uint8_t*> data = arena.upload(codes);
   if (!data.ok()) return data.status();
   d.data = *data;
   if (m.spec.format == WeightFormat::kNVFP4) {
@@ -146,11 +154,11 @@ Result<cuda::DevMatrix> upload_matrix(DeviceArena& arena, const QuantMatrix& m, 
     for (int64_t r = 0; r < m.rows; ++r) {
       for (int64_t j = 0; j < per_row; ++j) {
         tiled_scales[static_cast<size_t>(cuda::tiled_scale_offset(r, j, per_row))] =
-            m.block_scales[static_cast<size_t>(r * per_row + j)];
+            block_scale_codes[static_cast<size_t>(r * per_row + j)];
       }
     }
   }
-  Result<const uint8_t*> block_scales = arena.upload(scale_tiles ? tiled_scales : m.block_scales);
+  Result<const uint8_t*> block_scales = arena.upload(scale_tiles ? tiled_scales : block_scale_codes);
   if (!block_scales.ok()) return block_scales.status();
   d.block_scales = *block_scales;
   Result<const float*> b = arena.upload(bias);

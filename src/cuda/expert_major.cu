@@ -75,14 +75,26 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
   return make_float2(lo, hi);
 }
 
-// The two E4M3 codes in the high half of a word as floats, exactly (no shift: the conversion
-// reads the half).
-__device__ __forceinline__ float2 e4m3x2_high_to_float2(uint32_t word) {
+// NVFP4 block scales, two at a time, as the bf16 pair (s0 x 2^119, s1 x 2^119), exactly, from the
+// f16 pair of two nonnegative E4M3 codes (the upload folds signs into the E2M1 codes and zeroes the
+// codes of zero scales: nvfp4_scale_fold.h). An f16's bits shifted right by 3 are the bf16 bits of
+// its value x 2^-112 (the exponent field keeps its value, the bias goes from 15 to 127; an f16 made
+// from E4M3 has its low 7 mantissa bits zero, so the high half's shift leaves the low half's top bits
+// clear). Adding 231 to each exponent field then gives s x 2^119: at most 23 + 231 = 254, with no
+// carry out of a half. A zero scale becomes 2^104, over zero codes only.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t f16x2) { return (f16x2 >> 3) + 0x73807380u; }
+
+// The f16 pair of the two E4M3 codes in the low half of a word, and in its high half (the
+// conversion reads either half in place).
+__device__ __forceinline__ uint32_t e4m3x2_low_to_f16x2(uint32_t word) {
+  uint32_t h;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(h) : "r"(word));
+  return h;
+}
+__device__ __forceinline__ uint32_t e4m3x2_high_to_f16x2(uint32_t word) {
   uint32_t h;
   asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u; }" : "=r"(h) : "r"(word));
-  float lo, hi;
-  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }" : "=f"(lo), "=f"(hi) : "r"(h));
-  return make_float2(lo, hi);
+  return h;
 }
 
 // Two E4M3 codes as a bf16 pair (exact: E4M3 values are bf16 values).
@@ -350,10 +362,9 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, 
     for (int mi = 0; mi < kMats; ++mi) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float2 s = !kTiled ? e4m3x2_to_float2(ch.scale_codes[mi][r])
-                                 : (r == 0 ? e4m3x2_to_float2(ch.scale_codes[mi][0])
-                                           : e4m3x2_high_to_float2(ch.scale_codes[mi][0]));
-        const uint32_t pair = pack_bf16(s.x * 0x1p119f, s.y * 0x1p119f);  // exact: <= 4 significant bits
+        // kTiled: row gid's two codes in the low half of one word, row gid + 8's in its high half.
+        const uint32_t pair = scale_pair(kTiled && r == 1 ? e4m3x2_high_to_f16x2(ch.scale_codes[mi][0])
+                                                          : e4m3x2_low_to_f16x2(ch.scale_codes[mi][kTiled ? 0 : r]));
         scale[mi][r][0] = __byte_perm(pair, 0, 0x1010);  // low half in both halves
         scale[mi][r][1] = __byte_perm(pair, 0, 0x3232);  // high half in both halves
       }
