@@ -58,6 +58,45 @@ std::vector<float> replay_matching_eager(cudaGraphExec_t exec, cudaStream_t stre
   return replayed;
 }
 
+// A stream with a CUDA graph captured on it, all three released when the test ends.
+struct CapturedGraph {
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+
+// Creates g's stream (with `stream_flags`) and captures on it what `record(stream)` enqueues.
+template <class Record>
+void capture(CapturedGraph& g, unsigned stream_flags, Record record) {
+  ASSERT_EQ(cudaStreamCreateWithFlags(&g.stream, stream_flags), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  record(g.stream);
+  ASSERT_EQ(cudaStreamEndCapture(g.stream, &g.graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&g.exec, g.graph, 0), cudaSuccess);
+}
+
+// For each seed, new tokens in x, one replay of g matching an eager call (replay_matching_eager)
+// and the reference within 1e-2.
+void expect_replays_match(const CapturedGraph& g, const CudaMoe& moe, const Layer& layer, DeviceArray<float>& x,
+                          DeviceArray<float>& out, int64_t n, uint64_t first_seed, uint64_t last_seed) {
+  for (uint64_t seed = first_seed; seed <= last_seed; ++seed) {
+    const std::vector<float> tokens = make_tokens(n, layer.desc.hidden, seed);
+    x.put(tokens);
+    const std::vector<float> replayed = replay_matching_eager(g.exec, g.stream, moe, x, out, n, seed);
+    std::vector<float> expected(tokens.size());
+    ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+    EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
+  }
+}
+
 // Options that force the tensor-core router on or off, the rest left to the defaults.
 CudaMoeOptions router_options(bool mma) {
   CudaMoeOptions options;
@@ -95,17 +134,11 @@ TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
   const int64_t n = 8, h = d.hidden;
   std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
   DeviceArray<float> x(n * h), out(n * h);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
 
   // Capture once, for the padded N.
   x.put(make_tokens(n, h, 100));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  CapturedGraph g;
+  ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
 
   std::set<std::vector<int>> routings;
   for (uint64_t seed = 1; seed <= 4; ++seed) {
@@ -114,7 +147,7 @@ TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
     const int64_t real = seed == 1 ? 5 : n;
     std::fill(tokens.begin() + real * h, tokens.end(), 0.0f);
     x.put(tokens);
-    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
+    const std::vector<float> replayed = replay_matching_eager(g.exec, g.stream, *moe, x, out, n, seed);
 
     const std::vector<float> real_tokens(tokens.begin(), tokens.begin() + real * h);
     std::vector<float> expected(real_tokens.size());
@@ -124,9 +157,6 @@ TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
     routings.insert(take(moe_route_reference(layer, real_tokens, real)).ids);
   }
   EXPECT_EQ(routings.size(), 4u) << "the replays should have routed differently";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
@@ -350,26 +380,12 @@ TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
   std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, router_options(true)));
   EXPECT_NE(moe->call_config(n).find("; router mma"), std::string::npos) << moe->call_config(n);
   DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   x.put(make_tokens(n, h, 50));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (uint64_t seed = 51; seed <= 54; ++seed) {
-    const std::vector<float> tokens = make_tokens(n, h, seed);
-    x.put(tokens);
-    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
-    std::vector<float> expected(tokens.size());
-    ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-    EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
+  {
+    CapturedGraph g;
+    ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+    expect_replays_match(g, *moe, layer, x, out, n, 51, 54);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 
   std::unique_ptr<CudaMoe> big = take(CudaMoe::create(layer, 520, router_options(true)));
   EXPECT_NE(big->call_config(1).find("; router mma"), std::string::npos) << big->call_config(1);
@@ -702,27 +718,15 @@ TEST_F(CudaEp, OneRankAllReduceInAGraph) {
   const int64_t n = 6, h = d.hidden;
   std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, CudaMoeOptions{.path = std::nullopt, .rank = 0, .ranks = 1}));
   DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
   x.put(make_tokens(n, h, 1));
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  ASSERT_OK(moe->forward(x.ptr, n, out.ptr, stream));
-  ASSERT_OK(reduce->sum(out.ptr, n * h, stream));
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (uint64_t seed = 2; seed <= 4; ++seed) {
-    const std::vector<float> tokens = make_tokens(n, h, seed);
-    x.put(tokens);
-    const std::vector<float> replayed = replay_matching_eager(exec, stream, *moe, x, out, n, seed);
-    std::vector<float> expected(tokens.size());
-    ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-    EXPECT_LE(testing::rel_l2(replayed, expected), 1e-2) << "seed " << seed;
+  {
+    CapturedGraph g;
+    ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) {
+      ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s));
+      ASSERT_OK(reduce->sum(out.ptr, n * h, s));
+    }));
+    expect_replays_match(g, *moe, layer, x, out, n, 2, 4);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 
   EpStats stats;
   std::unique_ptr<Backend> backend = take(make_cuda_ep_backend(std::nullopt, &stats));
