@@ -737,29 +737,30 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   // the ids in shared memory (`ids`), one at a time: eight there, in a build that also compiled the
   // one-token selection into moe_route_warps, ran 0.97-0.99x at qwen3 N = 2-8, and with both undone
   // 0.99-1.01x (docs/PERF.md v3.18).
+  // use(expert, route) for each of this thread's routes that runs on an expert here.
   const int routed = n * L.top_k;
-  const auto batch = [&](int r0, int (&e)[kBatch]) {
+  const auto each_route = [&](auto use) {
+    for (int r0 = threadIdx.x; r0 < routes; r0 += kBatch * kThreads) {
+      int e[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int r = r0 + u * kThreads;
-      e[u] = r < routed ? routed_id(ws, r, ids) : 0;
-    }
+      for (int u = 0; u < kBatch; ++u) {
+        const int r = r0 + u * kThreads;
+        e[u] = r < routed ? routed_id(ws, r, ids) : 0;
+      }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int r = r0 + u * kThreads;
-      e[u] = r < routes ? table_index_of(L, routed, r, e[u]) : -1;
+      for (int u = 0; u < kBatch; ++u) {
+        const int r = r0 + u * kThreads;
+        e[u] = r < routes ? table_index_of(L, routed, r, e[u]) : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (e[u] >= 0) use(e[u], r0 + u * kThreads);
+      }
     }
   };
   for (int e = threadIdx.x; e < experts; e += kThreads) counts[e] = 0;
   __syncthreads();
-  for (int r0 = threadIdx.x; r0 < routes; r0 += kBatch * kThreads) {
-    int e[kBatch];
-    batch(r0, e);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (e[u] >= 0) atomicAdd(counts + e[u], 1);
-    }
-  }
+  each_route([&](int e, int) { atomicAdd(counts + e, 1); });
   __syncthreads();
 
   // Thread i owns experts [i * per, (i + 1) * per).
@@ -784,14 +785,7 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
     route_base += counts[e];
   }
   __syncthreads();
-  for (int r0 = threadIdx.x; r0 < routes; r0 += kBatch * kThreads) {
-    int e[kBatch];
-    batch(r0, e);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (e[u] >= 0) ws.route_list[atomicAdd(cursor + e[u], 1)] = r0 + u * kThreads;
-    }
-  }
+  each_route([&](int e, int r) { ws.route_list[atomicAdd(cursor + e, 1)] = r; });
 }
 
 // The grouping of one token's routes by the warp that selected them (its choices in `ids`,
