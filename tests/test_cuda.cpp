@@ -138,7 +138,8 @@ TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
   // Capture once, for the padded N.
   x.put(make_tokens(n, h, 100));
   CapturedGraph g;
-  ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+  ASSERT_NO_FATAL_FAILURE(
+      capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
 
   std::set<std::vector<int>> routings;
   for (uint64_t seed = 1; seed <= 4; ++seed) {
@@ -383,7 +384,8 @@ TEST_F(Cuda, RouterOnTensorCoresReplaysInAGraph) {
   x.put(make_tokens(n, h, 50));
   {
     CapturedGraph g;
-    ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+    ASSERT_NO_FATAL_FAILURE(
+        capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
     expect_replays_match(g, *moe, layer, x, out, n, 51, 54);
   }
 
