@@ -701,9 +701,6 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
   }
 }
 
-// The expert (table index) a route runs on here, or -1 for a zero-computation expert and for an
-// expert another rank owns. The routed experts' ids come from `ids` where the caller has them in
-// shared memory, else from ws.ids.
 // route_table_index in two steps, so that a caller can issue several routes' loads before it maps
 // any: the routed expert's id (routes < routed), then the table index from it.
 __device__ __forceinline__ int routed_id(const DevWorkspace& ws, int route, const int* ids) {
@@ -713,6 +710,9 @@ __device__ __forceinline__ int table_index_of(const DevLayer& L, int routed, int
   if (route >= routed) return L.num_experts;  // the shared expert
   return owns_expert(L, id) ? id : -1;
 }
+// The expert (table index) a route runs on here, or -1 for a zero-computation expert and for an
+// expert another rank owns. The routed experts' ids come from `ids` where the caller has them in
+// shared memory, else from ws.ids.
 __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWorkspace& ws, int n, int route,
                                                  const int* ids) {
   const int routed = n * L.top_k;

@@ -12,18 +12,19 @@
 #include <cstdint>
 #include <vector>
 
-namespace moeinfer::cuda {
+#include "moeinfer/format.h"
 
-inline constexpr int kNvfp4FoldGroup = 16;  // codes per block scale (kNvfp4Group)
+namespace moeinfer::cuda {
 
 // Whether block scale code `s` needs the fold: negative, or zero of either sign.
 constexpr bool nvfp4_scale_needs_fold(uint8_t s) { return (s & 0x80u) != 0 || (s & 0x7Fu) == 0; }
 
-// For a matrix of `rows` x `cols` NVFP4 codes in checkpoint order (two per byte, row-major, cols
-// a multiple of 16) and its row-major block scales: where some block needs the fold, fills
-// `codes` and `scales` with folded copies (negative blocks: the codes' sign bits flipped and the
-// scale's cleared; zero blocks: zero codes and scale) and returns true; else leaves them empty
-// and returns false, so that a checkpoint of positive scales costs one pass over its scales.
+// For a matrix's NVFP4 codes in checkpoint order (two per byte, row-major, rows a multiple of
+// kNvfp4Group codes long) and its row-major block scales, one per kNvfp4Group codes: where some
+// block needs the fold, fills `codes` and `scales` with folded copies (negative blocks: the codes'
+// sign bits flipped and the scale's cleared; zero blocks: zero codes and scale) and returns true;
+// else leaves them empty and returns false, so that a checkpoint of positive scales costs one pass
+// over its scales.
 inline bool fold_nvfp4_scale_signs(const std::vector<uint8_t>& in_codes, const std::vector<uint8_t>& in_scales,
                                    std::vector<uint8_t>* codes, std::vector<uint8_t>* scales) {
   codes->clear();
@@ -33,7 +34,7 @@ inline bool fold_nvfp4_scale_signs(const std::vector<uint8_t>& in_codes, const s
   if (!any) return false;
   *codes = in_codes;
   *scales = in_scales;
-  constexpr size_t kBytes = kNvfp4FoldGroup / 2;  // a block's codes, two per byte
+  constexpr size_t kBytes = kNvfp4Group / 2;  // a block's codes, two per byte
   for (size_t b = 0; b < scales->size(); ++b) {
     uint8_t& s = (*scales)[b];
     if (!nvfp4_scale_needs_fold(s)) continue;
