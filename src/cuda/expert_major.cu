@@ -584,10 +584,9 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
 // matrix mi). Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
 // kGateUp: gate and up -> activation (bf16); otherwise down -> expert_out (fp32).
 template <bool kGateUp>
-__device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0, int tile,
-                                           const float* sum) {
+__device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
+                                           int row0, int tile, const float* sum) {
   const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-  const DevExpert& ex = L.experts[item.x];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = row0 + gid + 8 * (i / 2), slot = tile * kTile + 2 * c + i % 2;
@@ -612,8 +611,8 @@ __device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWo
 // The part of one split-K block after its MMAs: the 4 warps' partial sums meet in shared memory,
 // warp t finishes token tile t.
 template <bool kGateUp, int kTiles, int kMats>
-__device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
-                                            int tiles, const float (&acc)[kTiles][kMats][4]) {
+__device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex,
+                                            int4 item, int row0, int tiles, const float (&acc)[kTiles][kMats][4]) {
   __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
@@ -635,7 +634,7 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
     for (int w = 0; w < kWarps; ++w) sum[v] += partial[w][tile][v][lane];
   }
 
-  store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
+  store_tile<kGateUp>(L, n, ws, ex, item, row0, tile, sum);
 }
 
 // The block's activations are copied by `per_column` threads per token column (16 for one token
@@ -724,10 +723,10 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // matrices load one ahead: two measured 0.95-1.00x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
           int kAhead = 1>
-__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int row0,
-                                         bool store = true, uint8_t* staged = nullptr, bool copy = true) {
+__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
+                                         int row0, const int* split_routes, bool store = true, uint8_t* staged = nullptr,
+                                         bool copy = true) {
   constexpr int kMats = kGateUp ? 2 : 1;
-  const DevExpert& ex = L.experts[item.x];
   const DevMatrix* mats[kMats];
   if constexpr (kGateUp) {
     mats[0] = &ex.gate, mats[1] = &ex.up;
@@ -792,8 +791,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
   for (int tile = 0; tile < kTiles; ++tile) {
     rows.b[tile] = nullptr;
     if constexpr (kSplit) {
-      const int slot = tile * kTile + gid;
-      const int route = ws.route_list[item.y + (slot < item.z ? slot : 0)];
+      const int route = split_routes[tile];
       rows.b[tile] = kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
                              : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
     }
@@ -862,7 +860,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
-    finish_item<kGateUp, kTiles, kMats>(L, n, ws, item, row0, tiles, acc);
+    finish_item<kGateUp, kTiles, kMats>(L, n, ws, ex, item, row0, tiles, acc);
   } else if (store) {
 #pragma unroll
     for (int tile = 0; tile < kTiles; ++tile) {
@@ -873,7 +871,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 #pragma unroll
         for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[tile][mi][i];
       }
-      store_tile<kGateUp>(L, n, ws, item, row0, tile, sum);
+      store_tile<kGateUp>(L, n, ws, ex, item, row0, tile, sum);
     }
   }
 }
@@ -888,6 +886,33 @@ __device__ __forceinline__ bool read_item(const DevWorkspace& ws, int4& item) {
   return static_cast<int>(blockIdx.y) < *ws.num_items && item.x >= 0;
 }
 
+// The expert's table entry, copied whole into shared memory by the block's first 21 threads (8
+// bytes each, one round trip) for every warp to read. Read field by field from global memory, the
+// entry's loads followed the branches on its format and layout, one round trip each: at N = 1 the
+// split-K blocks spent 26-38% of their warps' samples before their first weight load
+// (docs/PERF.md, v3.20). Every thread of the block must call it.
+__device__ __forceinline__ const DevExpert& block_expert(const DevLayer& L, int expert) {
+  static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && sizeof(DevExpert) / 8 <= kWarps * kWarp);
+  constexpr int kWords = sizeof(DevExpert) / 8;
+  __shared__ __align__(16) uint2 entry[kWords];
+  if (threadIdx.x < kWords) entry[threadIdx.x] = __ldg(reinterpret_cast<const uint2*>(L.experts + expert) + threadIdx.x);
+  __syncthreads();
+  return *reinterpret_cast<const DevExpert*>(entry);
+}
+
+// The route of this lane's token column (gid) in each token tile of a split-K item (columns past
+// the item's routes take its first route's), loaded before block_expert's barrier so that the two
+// round trips overlap.
+template <int kTiles>
+__device__ __forceinline__ void split_routes(const DevWorkspace& ws, int4 item, int (&routes)[kTiles]) {
+  const int gid = threadIdx.x % kWarp / 4;
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    const int slot = tile * kTile + gid;
+    routes[tile] = ws.route_list[item.y + (slot < item.z ? slot : 0)];
+  }
+}
+
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
 // Gate and up of the item's routes -> activation (bf16). One token tile: held to 4 blocks per SM
 // (128 registers), what it took unbound before its loop over NVFP4 tiles, which took 147 unbound.
@@ -895,9 +920,12 @@ template <int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
+  int routes[kTiles];
+  split_routes(ws, item, routes);
+  const DevExpert& ex = block_expert(L, item.x);
   const int row0 = blockIdx.x * kRows;
-  if (row0 >= L.experts[item.x].gate.rows) return;
-  run_item<true, kTiles, true>(L, n, ws, item, row0);
+  if (row0 >= ex.gate.rows) return;
+  run_item<true, kTiles, true>(L, n, ws, ex, item, row0, routes);
 }
 
 // Grid: (16-row tiles of H, max work items). Block: 4 warps splitting K. Down of the item's
@@ -906,7 +934,9 @@ template <int kTiles>
 __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, int n, DevWorkspace ws) {
   int4 item;
   if (!read_item(ws, item)) return;
-  run_item<false, kTiles, true>(L, n, ws, item, blockIdx.x * kRows);
+  int routes[kTiles];
+  split_routes(ws, item, routes);
+  run_item<false, kTiles, true>(L, n, ws, block_expert(L, item.x), item, blockIdx.x * kRows, routes);
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
@@ -932,16 +962,17 @@ __host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, [[m
 // computes a copy of the group's first rows in the first pass, storing nothing, so that it
 // reaches the staging barrier, and skips the rest.
 template <int kTiles, int kPasses, int kPath, int kAhead>
-__device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, const DevWorkspace& ws, int4 item, int rows,
-                                                   int row0, uint8_t* staged) {
+__device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex,
+                                                   int4 item, int rows, int row0, uint8_t* staged) {
   const int group_row0 = row0 / kExpertMajorStagedRows * kExpertMajorStagedRows;
-  run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, item, row0 < rows ? row0 : group_row0,
-                                                              row0 < rows, staged);
+  run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, ex, item, row0 < rows ? row0 : group_row0,
+                                                              nullptr, row0 < rows, staged);
 #pragma unroll 1
   for (int pass = 1; pass < kPasses; ++pass) {
     const int pass_row0 = row0 + pass * kExpertMajorStagedRows;
     if (pass_row0 >= rows) break;
-    run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, item, pass_row0, true, staged, false);
+    run_item<false, kTiles, false, false, false, kPath, kAhead>(L, n, ws, ex, item, pass_row0, nullptr, true, staged,
+                                                                false);
   }
 }
 
@@ -963,7 +994,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
   uint8_t* const staged = staged_smem;
   int4 item;
   if (!read_item(ws, item)) return;
-  const DevExpert& ex = L.experts[item.x];
+  const DevExpert& ex = block_expert(L, item.x);
   const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
   const int group_row0 = blockIdx.x * kPasses * kExpertMajorStagedRows;
   if (group_row0 >= rows) return;
@@ -974,21 +1005,21 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
   static_assert(kAhead == 1 || (kAhead == 2 && staged_two_ahead(kGateUp, kScaleCopy, kSliced, kTiles)));
   if constexpr (kPasses <= 2) {
     run_item<kGateUp, kTiles, false, kScaleCopy, kSliced, kPathAny, kAhead>(
-        L, n, ws, item, row0 < rows ? row0 : group_row0, row0 < rows, staged);
+        L, n, ws, ex, item, row0 < rows ? row0 : group_row0, nullptr, row0 < rows, staged);
     if constexpr (kPasses == 2) {
       if (row0 + kExpertMajorStagedRows < rows) {
-        run_item<kGateUp, kTiles, false, false, false, kPathAny, kAhead>(L, n, ws, item, row0 + kExpertMajorStagedRows,
-                                                                         true, staged, false);
+        run_item<kGateUp, kTiles, false, false, false, kPathAny, kAhead>(L, n, ws, ex, item, row0 + kExpertMajorStagedRows,
+                                                                         nullptr, true, staged, false);
       }
     }
   } else {
     switch (weight_path(ex.down)) {
-      case kPathNvfp4Tiled: staged_down_passes<kTiles, kPasses, kPathNvfp4Tiled, kAhead>(L, n, ws, item, rows, row0, staged); break;
-      case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned, kAhead>(L, n, ws, item, rows, row0, staged); break;
-      case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4, kAhead>(L, n, ws, item, rows, row0, staged); break;
-      case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block, kAhead>(L, n, ws, item, rows, row0, staged); break;
-      case kPathFp8: staged_down_passes<kTiles, kPasses, kPathFp8, kAhead>(L, n, ws, item, rows, row0, staged); break;
-      default: staged_down_passes<kTiles, kPasses, kPathBf16, kAhead>(L, n, ws, item, rows, row0, staged); break;
+      case kPathNvfp4Tiled: staged_down_passes<kTiles, kPasses, kPathNvfp4Tiled, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
+      case kPathNvfp4Aligned: staged_down_passes<kTiles, kPasses, kPathNvfp4Aligned, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
+      case kPathNvfp4: staged_down_passes<kTiles, kPasses, kPathNvfp4, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
+      case kPathFp8Block: staged_down_passes<kTiles, kPasses, kPathFp8Block, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
+      case kPathFp8: staged_down_passes<kTiles, kPasses, kPathFp8, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
+      default: staged_down_passes<kTiles, kPasses, kPathBf16, kAhead>(L, n, ws, ex, item, rows, row0, staged); break;
     }
   }
 }
