@@ -827,14 +827,15 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
-    // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes
-    const auto kernel = [](bool staged, bool sliced, int passes) {
-      return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : "s");
+    // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes;
+    // p: split-K over 32-row pairs (down only)
+    const auto kernel = [](bool staged, bool sliced, int passes, bool pairs = false) {
+      return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : (pairs ? "p" : "s"));
     };
     return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
-                       kernel(c.staged_down, c.down_sliced, c.down_passes));
+                       kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs));
   };
-  EXPECT_EQ(choice(qwen, 1), "8 8 ss");      // 8 items: too few for either
+  EXPECT_EQ(choice(qwen, 1), "8 8 sp");      // 8 items: too few for either; down over row pairs
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
@@ -847,7 +848,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
-  EXPECT_EQ(choice(forced_off, 64), "8 193 ss");
+  EXPECT_EQ(choice(forced_off, 64), "8 193 sp");
   EXPECT_EQ(choice(forced_off, 256), "32 193 ss");
   const auto passes_forced = [](cuda::DevLayer L, int passes) {
     L.staged_passes = static_cast<int8_t>(passes);
@@ -863,7 +864,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 S2");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 S4");
-  EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 ss");  // forcing passes stages nothing
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sp");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
@@ -882,7 +883,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
-  EXPECT_EQ(choice(ds, 2), "8 18 ss");  // down: 112 x 18 blocks, but under 32 items
+  EXPECT_EQ(choice(ds, 2), "8 18 sp");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
   // blocks, two at 56 x 72 (N = 8) and up, where it does not copy NVFP4 scale codes, which it does
   // only in a layer with NVFP4 experts (and so makes no four passes)

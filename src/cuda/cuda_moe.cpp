@@ -230,7 +230,7 @@ std::string CudaMoe::call_config(int64_t n) const {
                      call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead) : "split-K",
                      call.staged_down ? (call.down_copies_scales ? "staged+scales"
                                                                  : staged(call.down_sliced, call.down_passes, call.down_ahead))
-                                      : "split-K",
+                                      : (call.down_pairs ? "split-K (row pairs)" : "split-K"),
                      layout, router);
 }
 

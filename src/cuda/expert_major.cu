@@ -582,8 +582,9 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
 
 // The outputs of one token tile of 16 rows from the MMA sums (sum[4 mi + i]: accumulator i of
 // matrix mi). Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
-// kGateUp: gate and up -> activation (bf16); otherwise down -> expert_out (fp32).
-template <bool kGateUp>
+// kGateUp: gate and up -> activation (bf16); otherwise down -> expert_out (fp32), kMats row tiles
+// of 16 (matrix mi: rows from row0 + 16 mi, the row-pair split-K down).
+template <bool kGateUp, int kMats>
 __device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
                                            int row0, int tile, const float* sum) {
   const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
@@ -601,9 +602,13 @@ __device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWo
       ws.act_bf16[static_cast<int64_t>(route) * L.act_stride + row] =
           __bfloat16_as_ushort(__float2bfloat16_rn(activate(L, g, u)));
     } else {
-      float y = sum[i] * output_multiplier(ex.down, row);
-      if (ex.down.bias != nullptr) y += ex.down.bias[row];
-      ws.expert_out[static_cast<int64_t>(route) * L.hidden + row] = y;
+#pragma unroll
+      for (int mi = 0; mi < kMats; ++mi) {
+        const int mrow = row + kRows * mi;
+        float y = sum[4 * mi + i] * output_multiplier(ex.down, mrow);
+        if (ex.down.bias != nullptr) y += ex.down.bias[mrow];
+        ws.expert_out[static_cast<int64_t>(route) * L.hidden + mrow] = y;
+      }
     }
   }
 }
@@ -634,7 +639,7 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
     for (int w = 0; w < kWarps; ++w) sum[v] += partial[w][tile][v][lane];
   }
 
-  store_tile<kGateUp>(L, n, ws, ex, item, row0, tile, sum);
+  store_tile<kGateUp, kMats>(L, n, ws, ex, item, row0, tile, sum);
 }
 
 // The block's activations are copied by `per_column` threads per token column (16 for one token
@@ -722,16 +727,18 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // wherever kScaleCopy or kSliced; the staged kernels' choice, staged_two_ahead). FP8 and BF16
 // matrices load one ahead: two measured 0.95-1.00x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
-          int kAhead = 1>
+          int kAhead = 1, bool kPairs = false>
 __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
                                          int row0, const int* split_routes, bool store = true, uint8_t* staged = nullptr,
                                          bool copy = true) {
-  constexpr int kMats = kGateUp ? 2 : 1;
+  static_assert(!kPairs || (!kGateUp && kSplit));
+  constexpr int kMats = kGateUp || kPairs ? 2 : 1;
   const DevMatrix* mats[kMats];
   if constexpr (kGateUp) {
     mats[0] = &ex.gate, mats[1] = &ex.up;
   } else {
-    mats[0] = &ex.down;
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) mats[mi] = &ex.down;
   }
   const int gid = threadIdx.x % kWarp / 4;
   const int tiles = (item.z + kTile - 1) / kTile;
@@ -762,19 +769,21 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     tiled = tiled && nvfp4_tiled(m);
     // row0 is a multiple of 16: in tiles, this warp's rows start the panel at row0 * row_bytes (the
     // tiled_offset of its row gid is that plus 64 gid), and the panel's scale tiles at row0 * K / 16.
-    const int64_t panel = static_cast<int64_t>(row0) * row_bytes;
+    // kPairs: the second "matrix" is the down's next 16 rows.
+    const int mat_row0 = kPairs ? row0 + kRows * mi : row0;
+    const int64_t panel = static_cast<int64_t>(mat_row0) * row_bytes;
     rows.tile_w[mi] = m.data + panel + kTileRowBytes * gid + 16 * (threadIdx.x % 4);
     rows.tile_scales[mi] = m.block_scales + panel / 8 + 4 * (threadIdx.x % kWarp);  // NVFP4: K / 16 = row_bytes / 8
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t row = row0 + gid + 8 * r;
+      const int64_t row = mat_row0 + gid + 8 * r;
       rows.w[mi][r] = m.data + (m.tiled ? panel + kTileRowBytes * (gid + 8 * r) : row * row_bytes);
       rows.scale_codes[mi][r] = format == WeightFormat::kNVFP4 ? m.block_scales + row * (m.cols / 16) : nullptr;
       rows.staged_scales[mi][r] =
           kSplit ? nullptr
                  : scale_copy + (mi * kExpertMajorStagedRows + row - group_row0) * expert_major_staged_scale_stride(K);
     }
-    rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(row0 / 128) * m.scale_cols : nullptr;
+    rows.block_scales[mi] = fp8_block ? m.scales + static_cast<int64_t>(mat_row0 / 128) * m.scale_cols : nullptr;
   }
   smem_scales = smem_scales && aligned16;
   rows.chunk_stride = mats[0]->tiled ? kTileBytes : kTileRowBytes;  // gate and up are tiled alike (the upload)
@@ -871,7 +880,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 #pragma unroll
         for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[tile][mi][i];
       }
-      store_tile<kGateUp>(L, n, ws, ex, item, row0, tile, sum);
+      store_tile<kGateUp, kMats>(L, n, ws, ex, item, row0, tile, sum);
     }
   }
 }
@@ -937,6 +946,19 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
   int routes[kTiles];
   split_routes(ws, item, routes);
   run_item<false, kTiles, true>(L, n, ws, block_expert(L, item.x), item, blockIdx.x * kRows, routes);
+}
+
+// Grid: (32-row pairs of H, max work items), one token tile. Block: 4 warps splitting K over two
+// 16-row tiles at once (run_item's kPairs: the down's rows as gate_up's two matrices), so that
+// half as many blocks carry twice the loads in flight each. Where the one-tile grid of
+// moe_expert_down<1> needs more than one wave of resident blocks (ExpertMajorLaunch::down_pairs).
+__global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLayer L, int n, DevWorkspace ws) {
+  int4 item;
+  if (!read_item(ws, item)) return;
+  int routes[1];
+  split_routes(ws, item, routes);
+  run_item<false, 1, true, false, false, kPathAny, 1, true>(L, n, ws, block_expert(L, item.x), item,
+                                                             blockIdx.x * 2 * kRows, routes);
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
@@ -1029,9 +1051,12 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
 namespace {
 
 template <int kTiles>
-cudaError_t launch_split(bool gate_up, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, cudaStream_t stream) {
+cudaError_t launch_split(bool gate_up, bool pairs, const DevLayer& L, int n, const DevWorkspace& ws, int max_items,
+                         cudaStream_t stream) {
   if (gate_up) {
     moe_expert_gate_up<kTiles><<<dim3((L.act_stride + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+  } else if (kTiles == 1 && pairs) {
+    moe_expert_down_pairs<<<dim3(L.hidden / (2 * kRows), max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
   } else {
     moe_expert_down<kTiles><<<dim3((L.hidden + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
   }
@@ -1093,8 +1118,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     }
     return cudaGetLastError();
   }
-  return call.group == kTile ? launch_split<1>(gate_up, L, n, ws, max_items, stream)
-                        : launch_split<kMaxTiles>(gate_up, L, n, ws, max_items, stream);
+  return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, L, n, ws, max_items, stream)
+                             : launch_split<kMaxTiles>(gate_up, false, L, n, ws, max_items, stream);
 }
 
 }  // namespace

@@ -296,6 +296,12 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1). The launcher and
 // the bench's per-call config both read it.
+// Whether a split-K down of one token tile runs over 32-row pairs (moe_expert_down_pairs): four
+// warps per 32 rows instead of per 16 (H % 32 == 0).
+inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
+  return !staged_down && group == 8 && hidden % 32 == 0;
+}
+
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
@@ -307,6 +313,7 @@ struct ExpertMajorLaunch {
   int down_passes = 1;
   int gate_up_ahead = 1;
   int down_ahead = 1;
+  bool down_pairs = false;  // split-K down of one token tile over 32-row pairs (moe_expert_down_pairs)
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -328,6 +335,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
+  c.down_pairs = expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   return c;
 }
 
