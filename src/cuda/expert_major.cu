@@ -3,7 +3,8 @@
 // dequantized in registers. Each expert is read once per work item however many of its routes
 // the item holds. Two kernel shapes, chosen per GEMM by expert_major_staged (moe_kernels.cuh):
 // - split-K: one block per (item, 16 output rows), its 4 warps splitting K, their sums meeting
-//   in shared memory; the activations read from L2 by every block;
+//   in shared memory; the activations read from L2 by every block. A down of one token tile
+//   takes 32 rows per block where H allows (moe_expert_down_pairs);
 // - staged (items of 8 routes): one block per (item, 64 output rows), each warp on its own 16
 //   rows over the whole K; the item's activations copied once per block into shared memory, so
 //   L2 carries a quarter of the activation traffic and each warp streams 4x longer.
