@@ -899,8 +899,8 @@ __device__ __forceinline__ bool read_item(const DevWorkspace& ws, int4& item) {
 // The expert's table entry, copied whole into shared memory by the block's first 21 threads (8
 // bytes each, one round trip) for every warp to read. Read field by field from global memory, the
 // entry's loads followed the branches on its format and layout, one round trip each: at N = 1 the
-// split-K blocks spent 26-38% of their warps' samples before their first weight load
-// (docs/PERF.md, v3.20). Every thread of the block must call it.
+// split-K blocks spent 26-38% of their warps' samples before their first weight load. Read whole,
+// calls ran 1.01-1.04x faster (docs/PERF.md, v3.20). Every thread of the block must call it.
 __device__ __forceinline__ const DevExpert& block_expert(const DevLayer& L, int expert) {
   static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && sizeof(DevExpert) / 8 <= kWarps * kWarp);
   constexpr int kWords = sizeof(DevExpert) / 8;
@@ -951,8 +951,10 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 
 // Grid: (32-row pairs of H, max work items), one token tile. Block: 4 warps splitting K over two
 // 16-row tiles at once (run_item's kPairs: the down's rows as gate_up's two matrices), so that
-// half as many blocks carry twice the loads in flight each. Where the one-tile grid of
-// moe_expert_down<1> needs more than one wave of resident blocks (ExpertMajorLaunch::down_pairs).
+// half as many blocks carry twice the loads in flight each (127 registers, 4 blocks per SM;
+// moe_expert_down<1>: 93, 5). Runs for every split-K down of one token tile where H % 32 == 0
+// (ExpertMajorLaunch::down_pairs): on the H200 1.01-1.06x per call at N = 1-4, most where the
+// one-tile grid took more than one wave (qwen3-30b N = 1: 1024 blocks -> 512; docs/PERF.md, v3.20).
 __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLayer L, int n, DevWorkspace ws) {
   int4 item;
   if (!read_item(ws, item)) return;
