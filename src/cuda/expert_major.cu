@@ -715,9 +715,12 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
   return kPathBf16;
 }
 
-// The MMAs of one work item (its routes, 16 rows of its expert from row0) and their epilogue.
+// The MMAs of one work item (its routes, 16 rows of its expert `ex` from row0) and their epilogue.
 // kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory;
-// otherwise each warp has its own rows (stored where `store`) and the activations are staged.
+// `split_routes` holds this lane's token column's route per token tile (split_routes()).
+// Otherwise each warp has its own rows (stored where `store`) and the activations are staged.
+// kPairs (split-K down only): rows row0 .. row0 + 31, the down's two 16-row panels taking the
+// places of gate_up's two matrices.
 // kScaleCopy (staged down only): the block also copies its NVFP4 scale codes into shared memory
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
 // neither the second main loop nor its registers. kSliced (staged only): the activations are

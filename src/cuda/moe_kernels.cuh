@@ -287,15 +287,6 @@ inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
   return stageable && routes <= int64_t{16} * experts ? 16 : kExpertMajorGroup;
 }
 
-// What an expert-major call of n tokens launches: routes per work item, the grid's items, and
-// which GEMMs run staged, which of those stage their activations in slices (the layer's K past
-// expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
-// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts and no
-// weight tiles), and
-// the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
-// scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
-// (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1). The launcher and
-// the bench's per-call config both read it.
 // Whether a split-K down of one token tile runs over 32-row pairs (moe_expert_down_pairs): four
 // warps per 32 rows instead of per 16, wherever H % 32 == 0. Measured on the H200 against 16 rows:
 // 1.01-1.06x per call at N = 1-4 on the three bench presets, none slower (docs/PERF.md, v3.20).
@@ -303,6 +294,16 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
   return !staged_down && group == 8 && hidden % 32 == 0;
 }
 
+// What an expert-major call of n tokens launches: routes per work item, the grid's items, and
+// which GEMMs run staged, which of those stage their activations in slices (the layer's K past
+// expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
+// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts and no
+// weight tiles), and
+// the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
+// scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
+// (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
+// split-K down runs over row pairs (expert_major_down_pairs). The launcher and the bench's per-call
+// config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
