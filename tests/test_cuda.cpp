@@ -821,6 +821,31 @@ TEST(ExpertMajorSizing, StageableCallsRunTwoTokenTilesUpToSixteenRoutesPerExpert
   EXPECT_EQ(cuda::expert_major_group(129, 8, 128, false), cuda::kExpertMajorGroup);
 }
 
+// Which calls leave the selection to their gate_up kernel (no route kernel): one token, split-K
+// gate_up at one token tile, a selection that fits one warp in 8 logits per lane.
+TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
+  cuda::DevLayer L;  // qwen3-30b-a3b: 128 experts, top-8
+  L.hidden = 2048, L.act_stride = 768, L.num_experts = 128, L.router_outputs = 128, L.top_k = 8, L.sm_count = 132;
+  EXPECT_TRUE(cuda::expert_major_launch(L, 1).gate_up_selects);
+  EXPECT_FALSE(cuda::expert_major_launch(L, 2).gate_up_selects);  // more than one token
+  cuda::DevLayer staged = L;
+  staged.staged = 1;  // gate_up forced staged
+  EXPECT_FALSE(cuda::expert_major_launch(staged, 1).gate_up_selects);
+  cuda::DevLayer on_input = L;
+  on_input.weight_on_input = true;
+  EXPECT_FALSE(cuda::expert_major_launch(on_input, 1).gate_up_selects);
+  cuda::DevLayer ds = L;  // DeepSeek-V3: 256 experts in 8 groups, top-8, a shared expert
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = ds.router_outputs = 256, ds.has_shared = true;
+  ds.n_group = 8, ds.topk_group = 4;
+  EXPECT_TRUE(cuda::expert_major_launch(ds, 1).gate_up_selects);
+  cuda::DevLayer next = ds;  // qwen3-next-80b-a3b: 512 experts, past 8 logits per lane
+  next.num_experts = next.router_outputs = 512, next.n_group = 1, next.topk_group = 1, next.top_k = 10;
+  EXPECT_FALSE(cuda::expert_major_launch(next, 1).gate_up_selects);
+  cuda::DevLayer wide = L;  // 32 choices and a shared expert: 33 routes, past one warp
+  wide.top_k = 32, wide.has_shared = true;
+  EXPECT_FALSE(cuda::expert_major_launch(wide, 1).gate_up_selects);
+}
+
 // What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
 TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768

@@ -227,7 +227,8 @@ std::string CudaMoe::call_config(int64_t n) const {
     return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
   return fmt::format("{} routes/item, gate_up {}, down {}; {}; {}", call.group,
-                     call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead) : "split-K",
+                     call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead)
+                                         : (call.gate_up_selects ? "split-K (selects)" : "split-K"),
                      call.staged_down ? (call.down_copies_scales ? "staged+scales"
                                                                  : staged(call.down_sliced, call.down_passes, call.down_ahead))
                                       : (call.down_pairs ? "split-K (row pairs)" : "split-K"),
@@ -474,7 +475,8 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const cuda::ExpertMajorLaunch call =
       path == PathKind::kExpertMajor ? cuda::expert_major_launch(impl_->dev, tokens) : cuda::ExpertMajorLaunch{};
   const int group = path == PathKind::kExpertMajor ? call.group : 0;
-  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s), "moe_route"));
+  MOEINFER_RETURN_IF_ERROR(cuda_status(
+      cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s, !call.gate_up_selects), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:
       return cuda_status(cuda::launch_moe_token_major(impl_->dev, x, tokens, impl_->ws, out, s), "token-major");

@@ -38,6 +38,7 @@
 #include "cuda/mma.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"
+#include "cuda/route_select.cuh"
 #include "moeinfer/format.h"
 #include "moeinfer/layer.h"
 
@@ -45,7 +46,6 @@ namespace moeinfer::cuda {
 
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarps = 4;                             // split-K: warp w takes chunks w, w+4, ...
 constexpr int kRows = 16;                             // output rows per block (one MMA M)
 constexpr int kTile = 8;                              // routes per MMA (N)
@@ -585,15 +585,18 @@ __device__ __forceinline__ int route_token(const DevLayer& L, int n, int route) 
 // matrix mi). Accumulator i holds row row0 + gid + 8 (i / 2), token slot tile * 8 + 2c + i % 2.
 // kGateUp: gate and up -> activation (bf16); otherwise down -> expert_out (fp32), kMats row tiles
 // of 16 (matrix mi: rows from row0 + 16 mi, the row-pair split-K down).
-template <bool kGateUp, int kMats>
+// kLaneRoutes (split-K): lane 4j's `lane_route` is the route of the tile's token column j
+// (split_routes), so that no route is read again from ws.route_list; otherwise (staged) they are.
+template <bool kGateUp, int kMats, bool kLaneRoutes>
 __device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
-                                           int row0, int tile, const float* sum) {
+                                           int row0, int tile, const float* sum, int lane_route = 0) {
   const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int row = row0 + gid + 8 * (i / 2), slot = tile * kTile + 2 * c + i % 2;
+    const int row = row0 + gid + 8 * (i / 2), column = 2 * c + i % 2, slot = tile * kTile + column;
+    const int from_lane = kLaneRoutes ? __shfl_sync(0xFFFFFFFFu, lane_route, 4 * column) : 0;
     if (slot >= item.z) continue;
-    const int route = ws.route_list[item.y + slot];
+    const int route = kLaneRoutes ? from_lane : ws.route_list[item.y + slot];
     if constexpr (kGateUp) {
       const float in_scale = (L.weight_on_input && route < n * L.top_k) ? ws.weights[route] : 1.0f;
       float g = sum[i] * output_multiplier(ex.gate, row) * in_scale;
@@ -618,7 +621,8 @@ __device__ __forceinline__ void store_tile(const DevLayer& L, int n, const DevWo
 // warp t finishes token tile t.
 template <bool kGateUp, int kTiles, int kMats>
 __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex,
-                                            int4 item, int row0, int tiles, const float (&acc)[kTiles][kMats][4]) {
+                                            int4 item, int row0, int tiles, const float (&acc)[kTiles][kMats][4],
+                                            const int* split_routes) {
   __shared__ float partial[kWarps][kTiles][kMats * 4][kWarp];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
@@ -640,7 +644,10 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
     for (int w = 0; w < kWarps; ++w) sum[v] += partial[w][tile][v][lane];
   }
 
-  store_tile<kGateUp, kMats>(L, n, ws, ex, item, row0, tile, sum);
+  int lane_route = split_routes[0];
+#pragma unroll
+  for (int t = 1; t < kTiles; ++t) lane_route = tile == t ? split_routes[t] : lane_route;
+  store_tile<kGateUp, kMats, true>(L, n, ws, ex, item, row0, tile, sum, lane_route);
 }
 
 // The block's activations are copied by `per_column` threads per token column (16 for one token
@@ -873,7 +880,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc); break;
   }
   if constexpr (kSplit) {
-    finish_item<kGateUp, kTiles, kMats>(L, n, ws, ex, item, row0, tiles, acc);
+    finish_item<kGateUp, kTiles, kMats>(L, n, ws, ex, item, row0, tiles, acc, split_routes);
   } else if (store) {
 #pragma unroll
     for (int tile = 0; tile < kTiles; ++tile) {
@@ -884,7 +891,7 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
 #pragma unroll
         for (int i = 0; i < 4; ++i) sum[4 * mi + i] = acc[tile][mi][i];
       }
-      store_tile<kGateUp, kMats>(L, n, ws, ex, item, row0, tile, sum);
+      store_tile<kGateUp, kMats, false>(L, n, ws, ex, item, row0, tile, sum);
     }
   }
 }
@@ -939,6 +946,45 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_exper
   const int row0 = blockIdx.x * kRows;
   if (row0 >= ex.gate.rows) return;
   run_item<true, kTiles, true>(L, n, ws, ex, item, row0, routes);
+}
+
+// Grid: (16-row tiles of the widest intermediate, the call's routes), for a call of one token
+// whose selection fits one warp (ExpertMajorLaunch::gate_up_selects): no route kernel runs. Warp 0
+// of every block selects from the router's logits (route_token_warp; dynamic shared memory: E + Z
+// floats for group-limited routing) and maps the routes to work items as group_one_token does;
+// the block runs the blockIdx.y-th, as moe_expert_gate_up<1>. Block (0, 0) alone publishes the
+// choices, weights, items and route list, which the down and blend kernels read after it.
+template <int kPerLane>
+__global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(DevLayer L, DevWorkspace ws) {
+  extern __shared__ float select_keys[];
+  __shared__ int ids[kWarp];
+  __shared__ int4 chosen;  // this block's item, {-1, ...} past the call's items
+  __shared__ int chosen_route;
+  if (threadIdx.x < kWarp) {
+    const bool publish = blockIdx.x == 0 && blockIdx.y == 0;
+    route_token_warp<kPerLane>(L, 0, ws, select_keys, ids, publish);
+    __syncwarp();  // ids was written by other lanes of this warp
+    const int lane = threadIdx.x;
+    const int routes = L.top_k + (L.has_shared ? 1 : 0);  // <= 32 (gate_up_selects)
+    const int e = lane < routes ? route_table_index(L, ws, 1, lane, ids) : -1;
+    const uint32_t kept = __ballot_sync(0xFFFFFFFFu, e >= 0);
+    const int slot = __popc(kept & ((1u << lane) - 1u));
+    if (lane == 0) chosen = make_int4(-1, 0, 0, 0);
+    __syncwarp();
+    if (e >= 0 && slot == static_cast<int>(blockIdx.y)) chosen = make_int4(e, slot, 1, 0), chosen_route = lane;
+    if (publish) {
+      if (e >= 0) ws.items[slot] = make_int4(e, slot, 1, 0), ws.route_list[slot] = lane;
+      if (lane == 0) *ws.num_items = __popc(kept);
+    }
+  }
+  __syncthreads();
+  const int4 item = chosen;
+  if (item.x < 0) return;
+  int routes[1] = {chosen_route};
+  const DevExpert& ex = block_expert(L, item.x);
+  const int row0 = blockIdx.x * kRows;
+  if (row0 >= ex.gate.rows) return;
+  run_item<true, 1, true>(L, 1, ws, ex, item, row0, routes);
 }
 
 // Grid: (16-row tiles of H, max work items). Block: 4 warps splitting K. Down of the item's
@@ -1121,6 +1167,16 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
     } else {
       down.template operator()<1>();
+    }
+    return cudaGetLastError();
+  }
+  if (gate_up && call.gate_up_selects) {
+    const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
+    const size_t keys = L.n_group > 1 ? L.router_outputs * sizeof(float) : 0;  // <= 256 outputs
+    if (L.router_outputs <= 4 * kWarp) {
+      moe_expert_gate_up_select<4><<<grid, kWarps * kWarp, keys, stream>>>(L, ws);
+    } else {
+      moe_expert_gate_up_select<8><<<grid, kWarps * kWarp, keys, stream>>>(L, ws);
     }
     return cudaGetLastError();
   }

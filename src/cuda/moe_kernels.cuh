@@ -294,6 +294,17 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
   return !staged_down && group == 8 && hidden % 32 == 0;
 }
 
+// Whether a call's gate_up kernel selects the experts itself, each block from the router's logits,
+// instead of a route kernel before it (moe_expert_gate_up_select): calls of one token whose gate_up
+// is split-K at one token tile, whose selection fits one warp in 8 registers per lane (up to 256
+// router outputs; past that the route kernel selects on a whole block, and at 16 per lane this
+// kernel spilled), k and the groups within a warp, its routes too, and whose activations are not
+// weighted on input (store_tile would read the weights the same kernel publishes).
+inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_gate_up, int group) {
+  return n == 1 && !staged_gate_up && group == 8 && L.top_k + (L.has_shared ? 1 : 0) <= 32 && L.n_group <= 32 &&
+         L.router_outputs <= 8 * 32 && !L.weight_on_input;
+}
+
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
@@ -302,7 +313,8 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
-// split-K down runs over row pairs (expert_major_down_pairs). The launcher and the bench's per-call
+// split-K down runs over row pairs (expert_major_down_pairs), and whether the gate_up selects
+// (expert_major_gate_up_selects). The launcher and the bench's per-call
 // config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
@@ -316,6 +328,7 @@ struct ExpertMajorLaunch {
   int gate_up_ahead = 1;
   int down_ahead = 1;
   bool down_pairs = false;  // split-K down of one token tile over 32-row pairs (moe_expert_down_pairs)
+  bool gate_up_selects = false;  // no route kernel: the gate_up kernel selects (moe_expert_gate_up_select)
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -338,6 +351,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   c.down_pairs = expert_major_down_pairs(c.staged_down, c.group, L.hidden);
+  c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   return c;
 }
 
@@ -397,10 +411,11 @@ inline bool router_uses_mma(const DevLayer& L, int n) {
   return n >= kRouterMmaFromTokens && 8 * blocks >= int64_t{3} * L.sm_count;
 }
 
-// Router logits, then the selection of every token; with group > 0 also the expert-major work
-// items of up to `group` routes (ws.items, ws.route_list, ws.num_items).
+// Router logits, then (`select`) the selection of every token; with group > 0 also the
+// expert-major work items of up to `group` routes (ws.items, ws.route_list, ws.num_items). Without
+// `select` the router alone: the caller's gate_up selects (ExpertMajorLaunch::gate_up_selects).
 cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, int group,
-                             cudaStream_t stream);
+                             cudaStream_t stream, bool select = true);
 cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                    float* out, cudaStream_t stream);
 // Routes grouped by expert on the device, then per (expert, 16 rows, up to 32 routes) one block
