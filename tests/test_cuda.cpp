@@ -837,7 +837,12 @@ TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
   cuda::DevLayer ds = L;  // DeepSeek-V3: 256 experts in 8 groups, top-8, a shared expert
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = ds.router_outputs = 256, ds.has_shared = true;
   ds.n_group = 8, ds.topk_group = 4;
-  EXPECT_TRUE(cuda::expert_major_launch(ds, 1).gate_up_selects);
+  EXPECT_FALSE(cuda::expert_major_launch(ds, 1).gate_up_selects);  // 128 x 9 blocks: 2.2 waves of 528
+  cuda::DevLayer ds_narrow = ds;  // the same routing, I = 896: 56 x 9 = 504 blocks, one wave
+  ds_narrow.act_stride = 896;
+  EXPECT_TRUE(cuda::expert_major_launch(ds_narrow, 1).gate_up_selects);
+  ds_narrow.act_stride = 944;  // 59 x 9 = 531 blocks
+  EXPECT_FALSE(cuda::expert_major_launch(ds_narrow, 1).gate_up_selects);
   cuda::DevLayer next = ds;  // qwen3-next-80b-a3b: 512 experts, past 8 logits per lane
   next.num_experts = next.router_outputs = 512, next.n_group = 1, next.topk_group = 1, next.top_k = 10;
   EXPECT_FALSE(cuda::expert_major_launch(next, 1).gate_up_selects);

@@ -298,11 +298,16 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
 // instead of a route kernel before it (moe_expert_gate_up_select): calls of one token whose gate_up
 // is split-K at one token tile, whose selection fits one warp in 8 registers per lane (up to 256
 // router outputs; past that the route kernel selects on a whole block, and at 16 per lane this
-// kernel spilled), k and the groups within a warp, its routes too, and whose activations are not
-// weighted on input (store_tile would read the weights the same kernel publishes).
+// kernel spilled), k and the groups within a warp, its routes too, whose activations are not
+// weighted on input (store_tile would read the weights the same kernel publishes), and whose grid
+// fits one wave of 4 blocks per SM. Past one wave every later wave selects again before its first
+// weight load: DeepSeek-V3 (1152 blocks, 2.2 waves) ran 0.91x with it, qwen3-30b-a3b (384 blocks)
+// 1.04x (docs/PERF.md, v3.21).
 inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_gate_up, int group) {
-  return n == 1 && !staged_gate_up && group == 8 && L.top_k + (L.has_shared ? 1 : 0) <= 32 && L.n_group <= 32 &&
-         L.router_outputs <= 8 * 32 && !L.weight_on_input;
+  const int routes = L.top_k + (L.has_shared ? 1 : 0);
+  const int64_t blocks = static_cast<int64_t>((L.act_stride + 15) / 16) * routes;
+  return n == 1 && !staged_gate_up && group == 8 && routes <= 32 && L.n_group <= 32 && L.router_outputs <= 8 * 32 &&
+         !L.weight_on_input && blocks <= int64_t{4} * L.sm_count;
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
