@@ -447,7 +447,8 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
 
 // The blend's variants (cuda::blend_loads_first, blend_aligned) add the same terms in the same
 // order, so their outputs agree bit for bit: one output per thread with all loads first within a
-// wave (N = 1, 7: both outputs below), past it (N = 256 at H = 384: 512 blocks) four per thread
+// wave (N = 7: both outputs below; N = 1 blends in the down kernel, moe_expert_down_blend, whose
+// order is fixed too), past it (N = 256 at H = 384: 512 blocks) four per thread
 // where x and out are 16-byte aligned, else the loop. An output one float past an aligned
 // buffer's start is not aligned.
 // Zero experts (LongCat) and a gated shared expert (Qwen3-Next) take the blend's other terms.
@@ -851,6 +852,34 @@ TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
   EXPECT_FALSE(cuda::expert_major_launch(wide, 1).gate_up_selects);
 }
 
+// A one-token call's down and blend run as one kernel (moe_expert_down_blend) where its items fit
+// 16 warps and H / 16 blocks fit one per SM; the warps per item as many as fit, up to 4.
+TEST(ExpertMajorSizing, OneTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
+  cuda::DevLayer L;  // qwen3-30b-a3b: 8 items at N = 1
+  L.hidden = 2048, L.act_stride = 768, L.num_experts = 128, L.router_outputs = 128, L.top_k = 8, L.sm_count = 132;
+  EXPECT_EQ(cuda::expert_major_launch(L, 1).down_blend_ways, 2);
+  EXPECT_EQ(cuda::expert_major_launch(L, 2).down_blend_ways, 0);  // more than one token
+  cuda::DevLayer next = L;  // qwen3-next-80b-a3b: top-10 and a shared expert, 11 items
+  next.act_stride = 512, next.num_experts = next.router_outputs = 512, next.top_k = 10, next.has_shared = true;
+  EXPECT_EQ(cuda::expert_major_launch(next, 1).down_blend_ways, 1);
+  cuda::DevLayer few = L;  // top-2 and a shared expert: 3 items, 4 warps each
+  few.top_k = 2, few.has_shared = true;
+  EXPECT_EQ(cuda::expert_major_launch(few, 1).down_blend_ways, 4);
+  cuda::DevLayer many = L;  // 17 items: past 16 warps
+  many.top_k = 16, many.has_shared = true;
+  EXPECT_EQ(cuda::expert_major_launch(many, 1).down_blend_ways, 0);
+  many.has_shared = false;  // 16 items: one warp each
+  EXPECT_EQ(cuda::expert_major_launch(many, 1).down_blend_ways, 1);
+  cuda::DevLayer wide = L;  // H = 2128: 133 blocks on 132 SMs
+  wide.hidden = 2128;
+  EXPECT_EQ(cuda::expert_major_launch(wide, 1).down_blend_ways, 0);
+  wide.hidden = 2112;  // 132 blocks
+  EXPECT_EQ(cuda::expert_major_launch(wide, 1).down_blend_ways, 2);
+  cuda::DevLayer staged = L;
+  staged.staged = 1;  // down forced staged
+  EXPECT_EQ(cuda::expert_major_launch(staged, 1).down_blend_ways, 0);
+}
+
 // What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
 TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
@@ -858,14 +887,16 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
     // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes;
-    // p: split-K over 32-row pairs (down only)
-    const auto kernel = [](bool staged, bool sliced, int passes, bool pairs = false) {
-      return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : (pairs ? "p" : "s"));
+    // p: split-K over 32-row pairs, b: split-K and the blend in one kernel (down only)
+    const auto kernel = [](bool staged, bool sliced, int passes, bool pairs = false, bool blends = false) {
+      return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : (blends ? "b" : pairs ? "p" : "s"));
     };
     return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
-                       kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs));
+                       kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0));
   };
-  EXPECT_EQ(choice(qwen, 1), "8 8 sp");      // 8 items: too few for either; down over row pairs
+  // 8 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM)
+  EXPECT_EQ(choice(qwen, 1), "8 8 sb");
+  EXPECT_EQ(choice(qwen, 2), "8 16 sp");  // more than one token: down over row pairs
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
@@ -894,7 +925,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 S2");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 S4");
-  EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sp");  // forcing passes stages nothing
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sb");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
@@ -913,6 +944,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  EXPECT_EQ(choice(ds, 1), "8 9 sp");   // down: 448 blocks of H, past one per SM: no fused blend
   EXPECT_EQ(choice(ds, 2), "8 18 sp");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
   // blocks, two at 56 x 72 (N = 8) and up, where it does not copy NVFP4 scale codes, which it does

@@ -231,7 +231,8 @@ std::string CudaMoe::call_config(int64_t n) const {
                                          : (call.gate_up_selects ? "split-K (selects)" : "split-K"),
                      call.staged_down ? (call.down_copies_scales ? "staged+scales"
                                                                  : staged(call.down_sliced, call.down_passes, call.down_ahead))
-                                      : (call.down_pairs ? "split-K (row pairs)" : "split-K"),
+                                      : (call.down_blend_ways > 0 ? fmt::format("split-K + blend ({} warps/item)", call.down_blend_ways)
+                                                                  : (call.down_pairs ? "split-K (row pairs)" : "split-K")),
                      layout, router);
 }
 

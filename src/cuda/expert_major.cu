@@ -50,6 +50,7 @@ constexpr int kWarps = 4;                             // split-K: warp w takes c
 constexpr int kRows = 16;                             // output rows per block (one MMA M)
 constexpr int kTile = 8;                              // routes per MMA (N)
 constexpr int kMaxTiles = kExpertMajorGroup / kTile;  // token tiles per block
+constexpr int kDownBlendWarps = kExpertMajorDownBlendWarps;  // moe_expert_down_blend's most warps
 
 // How the weights are read: FP8 under block-128 scales scales each chunk's sum on its own.
 enum class Fmt { kNvfp4, kFp8, kFp8Block, kBf16 };
@@ -495,7 +496,7 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
 // kSliced: the staged loop of mma_rows_sliced instead (one chunk ahead). kTiled: an NVFP4 matrix
 // in tiles, read by load_chunk's kTiled loads.
 template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, int kAhead,
-          bool kTiled = false, typename Stage>
+          bool kTiled = false, int kSplitWays = kWarps, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
   static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16 && kAhead == 1));
@@ -507,9 +508,12 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   }
   constexpr bool kStaged = !kSplit;
   constexpr int V = kMainRun<F>;
-  constexpr int kWays = kSplit ? kWarps : 1;
+  constexpr int kWays = kSplit ? kSplitWays : 1;
   constexpr unsigned kStride = kWays * 4 * V;  // columns between a warp's chunks
-  const int way = kSplit ? static_cast<int>(threadIdx.x / kWarp) : 0;
+  // Split-K: warp w of the block takes way w % kSplitWays (moe_expert_down_blend runs several
+  // items per block, kSplitWays warps each).
+  const int warp = static_cast<int>(threadIdx.x / kWarp);
+  const int way = !kSplit ? 0 : kSplitWays == kWarps ? warp : warp % kSplitWays;
   const int chunks = K / (4 * V);
   const int mine = chunks > way ? (chunks - way + kWays - 1) / kWays : 0;
   const unsigned first = way * 4 * V;
@@ -722,9 +726,14 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
   return kPathBf16;
 }
 
+// The weight matrices an item's MMAs run over at once: gate and up, or the down's two 16-row
+// panels (kPairs), else the down's one.
+__host__ __device__ constexpr int item_mats(bool gate_up, bool pairs) { return gate_up || pairs ? 2 : 1; }
+
 // The MMAs of one work item (its routes, 16 rows of its expert `ex` from row0) and their epilogue.
-// kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory;
-// `split_routes` holds this lane's token column's route per token tile (split_routes()).
+// kSplit: the block's 4 warps split K over the same rows, and their sums meet in shared memory
+// (finish_item); `split_routes` holds this lane's token column's route per token tile
+// (split_routes()).
 // Otherwise each warp has its own rows (stored where `store`) and the activations are staged.
 // kPairs (split-K down only): rows row0 .. row0 + 31, the down's two 16-row panels taking the
 // places of gate_up's two matrices.
@@ -737,13 +746,17 @@ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
 // kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
 // wherever kScaleCopy or kSliced; the staged kernels' choice, staged_two_ahead). FP8 and BF16
 // matrices load one ahead: two measured 0.95-1.00x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
-template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
-          int kAhead = 1, bool kPairs = false>
-__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
-                                         int row0, const int* split_routes, bool store = true, uint8_t* staged = nullptr,
-                                         bool copy = true) {
+// item_sums does the MMAs, adding to `acc` as mma_rows does (acc[tile][matrix][accumulator], zero
+// before);
+// run_item calls it and stores. kSplitWays (item_sums, split-K): the warps that split K, way
+// warp % kSplitWays (moe_expert_down_blend runs several items per block).
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy, bool kSliced, int kPath, int kAhead, bool kPairs,
+          int kSplitWays = kWarps>
+__device__ __forceinline__ void item_sums(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
+                                          int row0, const int* split_routes, uint8_t* staged, bool copy,
+                                          float (&acc)[kTiles][item_mats(kGateUp, kPairs)][4]) {
   static_assert(!kPairs || (!kGateUp && kSplit));
-  constexpr int kMats = kGateUp || kPairs ? 2 : 1;
+  constexpr int kMats = item_mats(kGateUp, kPairs);
   const DevMatrix* mats[kMats];
   if constexpr (kGateUp) {
     mats[0] = &ex.gate, mats[1] = &ex.up;
@@ -840,45 +853,56 @@ __device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWork
     return copy;
   };
 
-  float acc[kTiles][kMats][4] = {};
   static_assert(kPath == kPathAny || (!kScaleCopy && !kSliced));
   if constexpr (kPath == kPathNvfp4Tiled) {
-    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead, true>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead, true, kSplitWays>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathNvfp4Aligned) {
-    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, false, kAhead, false, kSplitWays>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathNvfp4) {
-    mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false, kAhead>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, false, kAhead, false, kSplitWays>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8Block) {
-    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, false, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathFp8) {
-    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, false, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
   } else if constexpr (kPath == kPathBf16) {
-    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false, 1>(rows, K, tiles, stage, acc);
+    mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, false, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
   } else switch (format) {
     case WeightFormat::kNVFP4:
       if constexpr (kScaleCopy) {
         if (smem_scales) {  // implies aligned16
-          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true, kSliced, 1>(rows, K, tiles, stage, acc);
+          mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, true, kSliced, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
           break;
         }
       }
       if (tiled) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead, true>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead, true, kSplitWays>(rows, K, tiles, stage, acc);
       } else if (aligned16) {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, true, kSplit, false, kSliced, kAhead, false, kSplitWays>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced, kAhead>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kNvfp4, kMats, kTiles, false, kSplit, false, kSliced, kAhead, false, kSplitWays>(rows, K, tiles, stage, acc);
       }
       break;
     case WeightFormat::kFP8:  // rows of K % 16 == 0 bytes: always aligned
       if (fp8_block) {
-        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8Block, kMats, kTiles, true, kSplit, false, kSliced, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
       } else {
-        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc);
+        mma_rows<Fmt::kFp8, kMats, kTiles, true, kSplit, false, kSliced, 1, false, kSplitWays>(rows, K, tiles, stage, acc);
       }
       break;
-    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, 1>(rows, K, tiles, stage, acc); break;
+    default: mma_rows<Fmt::kBf16, kMats, kTiles, true, kSplit, false, kSliced, 1, false, kSplitWays>(rows, K, tiles, stage, acc); break;
   }
+}
+
+template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy = false, bool kSliced = false, int kPath = kPathAny,
+          int kAhead = 1, bool kPairs = false>
+__device__ __forceinline__ void run_item(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
+                                         int row0, const int* split_routes, bool store = true, uint8_t* staged = nullptr,
+                                         bool copy = true) {
+  constexpr int kMats = item_mats(kGateUp, kPairs);
+  const int tiles = (item.z + kTile - 1) / kTile;
+  float acc[kTiles][kMats][4] = {};
+  item_sums<kGateUp, kTiles, kSplit, kScaleCopy, kSliced, kPath, kAhead, kPairs>(L, n, ws, ex, item, row0, split_routes,
+                                                                                 staged, copy, acc);
   if constexpr (kSplit) {
     finish_item<kGateUp, kTiles, kMats>(L, n, ws, ex, item, row0, tiles, acc, split_routes);
   } else if (store) {
@@ -1011,6 +1035,72 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLa
   split_routes(ws, item, routes);
   run_item<false, 1, true, false, false, kPathAny, 1, true>(L, n, ws, block_expert(L, item.x), item,
                                                              blockIdx.x * 2 * kRows, routes);
+}
+
+// Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, for a call of one
+// token (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1 split K of item
+// g's down over the block's rows, each warp's sums times the blend's weight of the item's route.
+// They meet in shared memory, are added in item order (the routes' order), the zero experts'
+// w x after them, and the block writes the token's 16 outputs: no expert_out, no blend kernel.
+// The order is fixed, so the output is the same on every run.
+template <int kWays>
+__global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
+    moe_expert_down_blend(DevLayer L, const float* x, DevWorkspace ws, float* out) {
+  constexpr int kGroups = kDownBlendWarps / kWays;
+  constexpr int kWords = sizeof(DevExpert) / 8;
+  static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && kWords <= kWays * kWarp);
+  __shared__ __align__(16) uint2 entries[kGroups][kWords];
+  __shared__ float row_sums[kDownBlendWarps][kRows];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = warp / kWays, way = warp % kWays;
+  // The item's load goes out beside the count's (read_item); its route's and the expert's table
+  // entry's then overlap, and the route's blend weight is not needed until after the MMAs.
+  const int4 item = ws.items[g];
+  const int items = *ws.num_items;
+  const bool active = g < items && item.x >= 0;
+  int routes[1] = {active ? ws.route_list[item.y] : 0};
+  const int in_group = threadIdx.x - g * kWays * kWarp;
+  if (active && in_group < kWords) {
+    entries[g][in_group] = __ldg(reinterpret_cast<const uint2*>(L.experts + item.x) + in_group);
+  }
+  float weight = 1.0f;  // the blend's: w, 1 where it scaled the input, the shared expert's gate
+  if (active) {
+    if (routes[0] < L.top_k) {
+      if (!L.weight_on_input) weight = ws.weights[routes[0]];
+    } else if (L.shared_gate) {
+      weight = ws.shared_gate[0];
+    }
+  }
+  __syncthreads();
+  const int row0 = blockIdx.x * kRows;
+  const int gid = lane / 4;
+  float y[2] = {0.0f, 0.0f};  // rows row0 + gid and row0 + gid + 8 of token column 0 (lanes 4 gid)
+  if (active) {
+    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
+    float acc[1][1][4] = {};
+    item_sums<false, 1, true, false, false, kPathAny, 1, false, kWays>(L, 1, ws, ex, item, row0, routes, nullptr, true,
+                                                                       acc);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + gid + 8 * r;
+      float v = acc[0][0][2 * r] * output_multiplier(ex.down, row);
+      if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row];
+      y[r] = weight * v;
+    }
+  }
+  if (lane % 4 == 0) row_sums[warp][gid] = y[0], row_sums[warp][gid + 8] = y[1];
+  __syncthreads();
+  if (threadIdx.x >= kRows) return;
+  const int h = row0 + threadIdx.x;
+  const int warps = blockDim.x / kWarp;
+  float sum = 0.0f;
+  for (int w = 0; w < warps; ++w) sum += row_sums[w][threadIdx.x];
+  if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
+    for (int j = 0; j < L.top_k; ++j) {
+      if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[h];
+    }
+  }
+  out[h] = sum;
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
@@ -1207,10 +1297,20 @@ cudaError_t prepare_expert_major_kernels() {
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
                                     const ExpertMajorLaunch& call, float* out, cudaStream_t stream) {
-  for (const bool gate_up : {true, false}) {
-    const cudaError_t err = launch_gemm(gate_up, L, n, ws, call, stream);
-    if (err != cudaSuccess) return err;
+  cudaError_t err = launch_gemm(true, L, n, ws, call, stream);
+  if (err != cudaSuccess) return err;
+  if (call.down_blend_ways > 0) {
+    const dim3 block(call.max_items * call.down_blend_ways * kWarp);
+    const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
+    switch (call.down_blend_ways) {
+      case 4: moe_expert_down_blend<4><<<grid, block, 0, stream>>>(L, x, ws, out); break;
+      case 2: moe_expert_down_blend<2><<<grid, block, 0, stream>>>(L, x, ws, out); break;
+      default: moe_expert_down_blend<1><<<grid, block, 0, stream>>>(L, x, ws, out); break;
+    }
+    return cudaGetLastError();
   }
+  err = launch_gemm(false, L, n, ws, call, stream);
+  if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
 }
 

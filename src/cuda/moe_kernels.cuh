@@ -310,6 +310,23 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
          !L.weight_on_input && blocks <= int64_t{4} * L.sm_count;
 }
 
+// moe_expert_down_blend: a one-token call's down and blend in one kernel, one block per 16 rows of
+// H, each running all of the call's items, `ways` warps splitting K for each (at most this many
+// warps in all).
+inline constexpr int kExpertMajorDownBlendWarps = 16;
+
+// The warps per item of a call's fused down and blend (moe_expert_down_blend), or 0 where the call
+// runs a down kernel, then the blend: calls of one token whose down is split-K at one token tile,
+// whose items fit 16 warps (4, 2 or 1 per item: up to 4, 8 or 16 items), and whose H / 16 blocks,
+// one per SM, fit one wave.
+inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_down, int group, int max_items) {
+  if (n != 1 || staged_down || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) return 0;
+  for (const int ways : {4, 2, 1}) {
+    if (max_items * ways <= kExpertMajorDownBlendWarps) return ways;
+  }
+  return 0;
+}
+
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
@@ -319,8 +336,9 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
 // split-K down runs over row pairs (expert_major_down_pairs), and whether the gate_up selects
-// (expert_major_gate_up_selects). The launcher and the bench's per-call
-// config both read it.
+// (expert_major_gate_up_selects), and the warps per item of a fused down and blend
+// (expert_major_down_blend_ways; 0: none). The launcher and the bench's per-call config both
+// read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
@@ -334,6 +352,7 @@ struct ExpertMajorLaunch {
   int down_ahead = 1;
   bool down_pairs = false;  // split-K down of one token tile over 32-row pairs (moe_expert_down_pairs)
   bool gate_up_selects = false;  // no route kernel: the gate_up kernel selects (moe_expert_gate_up_select)
+  int down_blend_ways = 0;  // > 0: down and blend in one kernel, this many warps per item (moe_expert_down_blend)
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -355,7 +374,8 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
-  c.down_pairs = expert_major_down_pairs(c.staged_down, c.group, L.hidden);
+  c.down_blend_ways = expert_major_down_blend_ways(L, n, c.staged_down, c.group, c.max_items);
+  c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   return c;
 }
