@@ -496,7 +496,7 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
 // kSliced: the staged loop of mma_rows_sliced instead (one chunk ahead). kTiled: an NVFP4 matrix
 // in tiles, read by load_chunk's kTiled loads.
 template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kSplit, bool kSmemScales, bool kSliced, int kAhead,
-          bool kTiled = false, int kSplitWays = kWarps, typename Stage>
+          bool kTiled = false, int kSplitWays = 0, typename Stage>
 __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
                          float (&acc)[kTiles][kMats][4]) {
   static_assert(!kSmemScales || (F == Fmt::kNvfp4 && !kSplit && kAligned16 && kAhead == 1));
@@ -508,12 +508,13 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   }
   constexpr bool kStaged = !kSplit;
   constexpr int V = kMainRun<F>;
-  constexpr int kWays = kSplit ? kSplitWays : 1;
+  // Split-K: the block's kWarps warps split K, warp w taking way w; with kSplitWays > 0, warp w
+  // takes way w % kSplitWays (moe_expert_down_blend runs several items per block, kSplitWays
+  // warps each).
+  constexpr int kWays = !kSplit ? 1 : kSplitWays == 0 ? kWarps : kSplitWays;
   constexpr unsigned kStride = kWays * 4 * V;  // columns between a warp's chunks
-  // Split-K: warp w of the block takes way w % kSplitWays (moe_expert_down_blend runs several
-  // items per block, kSplitWays warps each).
   const int warp = static_cast<int>(threadIdx.x / kWarp);
-  const int way = !kSplit ? 0 : kSplitWays == kWarps ? warp : warp % kSplitWays;
+  const int way = !kSplit ? 0 : kSplitWays == 0 ? warp : warp % kSplitWays;
   const int chunks = K / (4 * V);
   const int mine = chunks > way ? (chunks - way + kWays - 1) / kWays : 0;
   const unsigned first = way * 4 * V;
@@ -748,10 +749,11 @@ __host__ __device__ constexpr int item_mats(bool gate_up, bool pairs) { return g
 // matrices load one ahead: two measured 0.95-1.00x on the qwen3 shapes' FP8 (docs/PERF.md, v3.14).
 // item_sums does the MMAs, adding to `acc` as mma_rows does (acc[tile][matrix][accumulator], zero
 // before);
-// run_item calls it and stores. kSplitWays (item_sums, split-K): the warps that split K, way
-// warp % kSplitWays (moe_expert_down_blend runs several items per block).
+// run_item calls it and stores. kSplitWays (item_sums, split-K): 0, the block's 4 warps split K;
+// else groups of kSplitWays warps, way warp % kSplitWays (moe_expert_down_blend, several items
+// per block).
 template <bool kGateUp, int kTiles, bool kSplit, bool kScaleCopy, bool kSliced, int kPath, int kAhead, bool kPairs,
-          int kSplitWays = kWarps>
+          int kSplitWays = 0>
 __device__ __forceinline__ void item_sums(const DevLayer& L, int n, const DevWorkspace& ws, const DevExpert& ex, int4 item,
                                           int row0, const int* split_routes, uint8_t* staged, bool copy,
                                           float (&acc)[kTiles][item_mats(kGateUp, kPairs)][4]) {
@@ -1042,7 +1044,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLa
 // g's down over the block's rows, each warp's sums times the blend's weight of the item's route.
 // They meet in shared memory, are added in item order (the routes' order), the zero experts'
 // w x after them, and the block writes the token's 16 outputs: no expert_out, no blend kernel.
-// The order is fixed, so the output is the same on every run.
+// The order is fixed, so the output is the same on every run. NVFP4 loops load two chunks ahead
+// (121-123 registers, no spills). On the H200 against down and blend kernels: qwen3-30b-a3b
+// N = 1 1.13x per call, qwen3-next-80b-a3b 1.19x; two ahead 1.01-1.02x more (docs/PERF.md, v3.21).
 template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, DevWorkspace ws, float* out) {
@@ -1078,7 +1082,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   if (active) {
     const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
     float acc[1][1][4] = {};
-    item_sums<false, 1, true, false, false, kPathAny, 1, false, kWays>(L, 1, ws, ex, item, row0, routes, nullptr, true,
+    item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, 1, ws, ex, item, row0, routes, nullptr, true,
                                                                        acc);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
