@@ -226,14 +226,18 @@ std::string CudaMoe::call_config(int64_t n) const {
         sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
     return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
-  return fmt::format("{} routes/item, gate_up {}, down {}; {}; {}", call.group,
-                     call.staged_gate_up ? staged(call.gate_up_sliced, 1, call.gate_up_ahead)
-                                         : (call.gate_up_selects ? "split-K (selects)" : "split-K"),
-                     call.staged_down ? (call.down_copies_scales ? "staged+scales"
-                                                                 : staged(call.down_sliced, call.down_passes, call.down_ahead))
-                                      : (call.down_blend_ways > 0 ? fmt::format("split-K + blend ({} warps/item)", call.down_blend_ways)
-                                                                  : (call.down_pairs ? "split-K (row pairs)" : "split-K")),
-                     layout, router);
+  const std::string gate_up = call.staged_gate_up   ? staged(call.gate_up_sliced, 1, call.gate_up_ahead)
+                              : call.gate_up_selects ? std::string("split-K (selects)")
+                                                     : std::string("split-K");
+  std::string down = "split-K";
+  if (call.staged_down) {
+    down = call.down_copies_scales ? std::string("staged+scales") : staged(call.down_sliced, call.down_passes, call.down_ahead);
+  } else if (call.down_blend_ways > 0) {
+    down = fmt::format("split-K + blend ({} warp{}/item)", call.down_blend_ways, call.down_blend_ways > 1 ? "s" : "");
+  } else if (call.down_pairs) {
+    down = "split-K (row pairs)";
+  }
+  return fmt::format("{} routes/item, gate_up {}, down {}; {}; {}", call.group, gate_up, down, layout, router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
