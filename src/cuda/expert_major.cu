@@ -8,6 +8,9 @@
 // - staged (items of 8 routes): one block per (item, 64 output rows), each warp on its own 16
 //   rows over the whole K; the item's activations copied once per block into shared memory, so
 //   L2 carries a quarter of the activation traffic and each warp streams 4x longer.
+// A call of one token may also select its experts in the gate_up kernel (no route kernel before
+// it: moe_expert_gate_up_select) and blend in the down kernel (no blend kernel after it: one block
+// per 16 rows of H runs every item, moe_expert_down_blend), where ExpertMajorLaunch says so.
 //
 // Operand layout. The weights are the MMA's A operand (16 rows x 16 k per MMA), the tokens its
 // B operand (16 k x 8 tokens). The four lanes of a quad (lane % 4 = c) each own a contiguous run
@@ -979,7 +982,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_exper
 // of every block selects from the router's logits (route_token_warp; dynamic shared memory: E + Z
 // floats for group-limited routing) and maps the routes to work items as group_one_token does;
 // the block runs the blockIdx.y-th, as moe_expert_gate_up<1>. Block (0, 0) alone publishes the
-// choices, weights, items and route list, which the down and blend kernels read after it.
+// choices, weights, items and route list, which the kernels after it read.
 template <int kPerLane>
 __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(DevLayer L, DevWorkspace ws) {
   extern __shared__ float select_keys[];
