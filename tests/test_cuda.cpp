@@ -852,16 +852,24 @@ TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
   EXPECT_FALSE(cuda::expert_major_launch(wide, 1).gate_up_selects);
 }
 
-// A one-token call's down and blend run as one kernel (moe_expert_down_blend) where its items fit
-// 16 warps and H / 16 blocks fit one per SM; the warps per item as many as fit, up to 4.
-TEST(ExpertMajorSizing, OneTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
+// The down and blend of a call of up to 8 tokens run as one kernel (moe_expert_down_blend) where
+// its items fit 16 warps and H / 16 blocks fit one per SM; the warps per item as many as fit, up
+// to 4.
+TEST(ExpertMajorSizing, FewTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
   cuda::DevLayer L;  // qwen3-30b-a3b: 8 items at N = 1
   L.hidden = 2048, L.act_stride = 768, L.num_experts = 128, L.router_outputs = 128, L.top_k = 8, L.sm_count = 132;
   EXPECT_EQ(cuda::expert_major_launch(L, 1).down_blend_ways, 2);
-  EXPECT_EQ(cuda::expert_major_launch(L, 2).down_blend_ways, 0);  // more than one token
+  EXPECT_EQ(cuda::expert_major_launch(L, 2).down_blend_ways, 1);  // up to 16 items
+  EXPECT_EQ(cuda::expert_major_launch(L, 3).down_blend_ways, 0);  // up to 24 items
+  cuda::DevLayer top2 = L;  // top-2: 2 items per token, 16 at 8 tokens, none past 8 tokens
+  top2.top_k = 2;
+  EXPECT_EQ(cuda::expert_major_launch(top2, 2).down_blend_ways, 4);
+  EXPECT_EQ(cuda::expert_major_launch(top2, 8).down_blend_ways, 1);
+  EXPECT_EQ(cuda::expert_major_launch(top2, 9).down_blend_ways, 0);
   cuda::DevLayer next = L;  // qwen3-next-80b-a3b: top-10 and a shared expert, 11 items
   next.act_stride = 512, next.num_experts = next.router_outputs = 512, next.top_k = 10, next.has_shared = true;
   EXPECT_EQ(cuda::expert_major_launch(next, 1).down_blend_ways, 1);
+  EXPECT_EQ(cuda::expert_major_launch(next, 2).down_blend_ways, 0);  // 22 items
   cuda::DevLayer few = L;  // top-2 and a shared expert: 3 items, 4 warps each
   few.top_k = 2, few.has_shared = true;
   EXPECT_EQ(cuda::expert_major_launch(few, 1).down_blend_ways, 4);
@@ -894,9 +902,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
     return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
                        kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0));
   };
-  // 8 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM)
+  // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM)
   EXPECT_EQ(choice(qwen, 1), "8 8 sb");
-  EXPECT_EQ(choice(qwen, 2), "8 16 sp");  // more than one token: down over row pairs
+  EXPECT_EQ(choice(qwen, 2), "8 16 sb");
+  EXPECT_EQ(choice(qwen, 4), "8 32 sp");  // 32 items, past 16 warps: down over row pairs
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it

@@ -9,8 +9,9 @@
 //   rows over the whole K; the item's activations copied once per block into shared memory, so
 //   L2 carries a quarter of the activation traffic and each warp streams 4x longer.
 // A call of one token may also select its experts in the gate_up kernel (no route kernel before
-// it: moe_expert_gate_up_select) and blend in the down kernel (no blend kernel after it: one block
-// per 16 rows of H runs every item, moe_expert_down_blend), where ExpertMajorLaunch says so.
+// it: moe_expert_gate_up_select), and one of up to 8 tokens blend in the down kernel (no blend
+// kernel after it: one block per 16 rows of H runs every item, moe_expert_down_blend), where
+// ExpertMajorLaunch says so.
 //
 // Operand layout. The weights are the MMA's A operand (16 rows x 16 k per MMA), the tokens its
 // B operand (16 k x 8 tokens). The four lanes of a quad (lane % 4 = c) each own a contiguous run
@@ -1042,72 +1043,79 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLa
                                                              blockIdx.x * 2 * kRows, routes);
 }
 
-// Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, for a call of one
-// token (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1 split K of item
-// g's down over the block's rows, each warp's sums times the blend's weight of the item's route.
-// They meet in shared memory, are added in item order (the routes' order), the zero experts'
-// w x after them, and the block writes the token's 16 outputs: no expert_out, no blend kernel.
-// The order is fixed, so the output is the same on every run. NVFP4 loops load two chunks ahead
-// (121-123 registers, no spills). On the H200 against down and blend kernels: qwen3-30b-a3b
-// N = 1 1.13x per call, qwen3-next-80b-a3b 1.19x; two ahead 1.01-1.02x more (docs/PERF.md, v3.21).
+// The blend's weight of a route of an n-token call: w; 1 where w scaled the input; the shared
+// expert's gate for its token.
+__device__ __forceinline__ float blend_weight(const DevLayer& L, int n, const DevWorkspace& ws, int route) {
+  if (route < n * L.top_k) return L.weight_on_input ? 1.0f : ws.weights[route];
+  return L.shared_gate ? ws.shared_gate[route - n * L.top_k] : 1.0f;
+}
+
+// Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, for a call of a few
+// tokens (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1 split K of item
+// g's down over the block's rows, and add each token column's sums, times the blend's weight of
+// its route, into their own shared row sums of the column's token. The
+// block then adds the warps' sums in warp order, the zero experts' w x after them, and writes the
+// tokens' 16 outputs each: no expert_out, no blend kernel. The order is fixed, so the output is
+// the same on every run. NVFP4 loops load two chunks ahead (121-123 registers at one token, no
+// spills). On the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call,
+// qwen3-next-80b-a3b 1.19x; two ahead 1.01-1.02x more (docs/PERF.md, v3.21).
 template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
-    moe_expert_down_blend(DevLayer L, const float* x, DevWorkspace ws, float* out) {
+    moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
   constexpr int kWords = sizeof(DevExpert) / 8;
   static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && kWords <= kWays * kWarp);
   __shared__ __align__(16) uint2 entries[kGroups][kWords];
-  __shared__ float row_sums[kDownBlendWarps][kRows];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  __shared__ float row_sums[kDownBlendWarps][kExpertMajorDownBlendTokens][kRows];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
   const int g = warp / kWays, way = warp % kWays;
-  // The item's load goes out beside the count's (read_item); its route's and the expert's table
-  // entry's then overlap, and the route's blend weight is not needed until after the MMAs.
-  const int4 item = ws.items[g];
-  const int items = *ws.num_items;
-  const bool active = g < items && item.x >= 0;
-  int routes[1] = {active ? ws.route_list[item.y] : 0};
   const int in_group = threadIdx.x - g * kWays * kWarp;
+  const int row0 = blockIdx.x * kRows;
+  // The item's load goes out beside the count's (read_item); slots past the count hold stale
+  // items, not used.
+  const int4 item = ws.items[g];
+  const bool active = g < *ws.num_items;
+  // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
+  // beside the expert's table entry; the weight is not needed until after the MMAs.
+  int routes[1] = {active ? ws.route_list[item.y + (gid < item.z ? gid : 0)] : 0};
+  const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
   if (active && in_group < kWords) {
     entries[g][in_group] = __ldg(reinterpret_cast<const uint2*>(L.experts + item.x) + in_group);
   }
-  float weight = 1.0f;  // the blend's: w, 1 where it scaled the input, the shared expert's gate
-  if (active) {
-    if (routes[0] < L.top_k) {
-      if (!L.weight_on_input) weight = ws.weights[routes[0]];
-    } else if (L.shared_gate) {
-      weight = ws.shared_gate[0];
-    }
-  }
+  for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
   __syncthreads();
-  const int row0 = blockIdx.x * kRows;
-  const int gid = lane / 4;
-  float y[2] = {0.0f, 0.0f};  // rows row0 + gid and row0 + gid + 8 of token column 0 (lanes 4 gid)
   if (active) {
     const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
     float acc[1][1][4] = {};
-    item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, 1, ws, ex, item, row0, routes, nullptr, true,
+    item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
                                                                        acc);
+    // Accumulator i: row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane
+    // 4 (2c + i % 2) holds. An item's routes are of different tokens, so no two lanes add to the
+    // same sum.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + gid + 8 * r;
-      float v = acc[0][0][2 * r] * output_multiplier(ex.down, row);
-      if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row];
-      y[r] = weight * v;
+    for (int i = 0; i < 4; ++i) {
+      const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
+      const int route = __shfl_sync(0xFFFFFFFFu, routes[0], 4 * column);
+      const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
+      if (column >= item.z) continue;
+      float v = acc[0][0][i] * output_multiplier(ex.down, row0 + row);
+      if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
+      row_sums[warp][route_token(L, n, route)][row] += w * v;
     }
   }
-  if (lane % 4 == 0) row_sums[warp][gid] = y[0], row_sums[warp][gid + 8] = y[1];
   __syncthreads();
-  if (threadIdx.x >= kRows) return;
-  const int h = row0 + threadIdx.x;
   const int warps = blockDim.x / kWarp;
-  float sum = 0.0f;
-  for (int w = 0; w < warps; ++w) sum += row_sums[w][threadIdx.x];
-  if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
-    for (int j = 0; j < L.top_k; ++j) {
-      if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[h];
+  for (int i = threadIdx.x; i < n * kRows; i += blockDim.x) {
+    const int t = i / kRows, h = row0 + i % kRows;
+    float sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum += row_sums[w][t][i % kRows];
+    if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
+      for (int j = t * L.top_k; j < (t + 1) * L.top_k; ++j) {
+        if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[static_cast<int64_t>(t) * L.hidden + h];
+      }
     }
+    out[static_cast<int64_t>(t) * L.hidden + h] = sum;
   }
-  out[h] = sum;
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
@@ -1310,9 +1318,9 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     const dim3 block(call.max_items * call.down_blend_ways * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
     switch (call.down_blend_ways) {
-      case 4: moe_expert_down_blend<4><<<grid, block, 0, stream>>>(L, x, ws, out); break;
-      case 2: moe_expert_down_blend<2><<<grid, block, 0, stream>>>(L, x, ws, out); break;
-      default: moe_expert_down_blend<1><<<grid, block, 0, stream>>>(L, x, ws, out); break;
+      case 4: moe_expert_down_blend<4><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
+      case 2: moe_expert_down_blend<2><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
+      default: moe_expert_down_blend<1><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
     }
     return cudaGetLastError();
   }

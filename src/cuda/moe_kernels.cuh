@@ -310,17 +310,20 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
          !L.weight_on_input && blocks <= int64_t{4} * L.sm_count;
 }
 
-// moe_expert_down_blend: a one-token call's down and blend in one kernel, one block per 16 rows of
-// H, each running all of the call's items, `ways` warps splitting K for each (at most this many
-// warps in all).
+// moe_expert_down_blend: a call's down and blend in one kernel, one block per 16 rows of H, each
+// running all of the call's items, `ways` warps splitting K for each (at most this many warps in
+// all, and calls of at most this many tokens).
 inline constexpr int kExpertMajorDownBlendWarps = 16;
+inline constexpr int kExpertMajorDownBlendTokens = 8;
 
 // The warps per item of a call's fused down and blend (moe_expert_down_blend), or 0 where the call
-// runs a down kernel, then the blend: calls of one token whose down is split-K at one token tile,
-// whose items fit 16 warps (4, 2 or 1 per item: up to 4, 8 or 16 items), and whose H / 16 blocks,
-// one per SM, fit one wave.
+// runs a down kernel, then the blend: calls of up to 8 tokens whose down is split-K at one token
+// tile, whose items fit 16 warps (4, 2 or 1 per item: up to 4, 8 or 16 items), and whose H / 16
+// blocks, one per SM, fit one wave. (A warp that ran two items in turn spilled 2 KB.)
 inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_down, int group, int max_items) {
-  if (n != 1 || staged_down || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) return 0;
+  if (n > kExpertMajorDownBlendTokens || staged_down || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) {
+    return 0;
+  }
   for (const int ways : {4, 2, 1}) {
     if (max_items * ways <= kExpertMajorDownBlendWarps) return ways;
   }
