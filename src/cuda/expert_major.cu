@@ -1056,9 +1056,10 @@ __device__ __forceinline__ float blend_weight(const DevLayer& L, int n, const De
 // its route, into their own shared row sums of the column's token. The
 // block then adds the warps' sums in warp order, the zero experts' w x after them, and writes the
 // tokens' 16 outputs each: no expert_out, no blend kernel. The order is fixed, so the output is
-// the same on every run. NVFP4 loops load two chunks ahead (121-123 registers at one token, no
-// spills). On the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call,
-// qwen3-next-80b-a3b 1.19x; two ahead 1.01-1.02x more (docs/PERF.md, v3.21).
+// the same on every run. NVFP4 loops load two chunks ahead (122-123 registers, no spills). On
+// the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call, N = 2 1.14-1.16x,
+// qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one (docs/PERF.md, v3.21).
+// One warp running two items in turn (qwen3-next N = 2: 22 items) spilled 2 KB.
 template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
