@@ -941,11 +941,18 @@ __device__ __forceinline__ bool read_item(const DevWorkspace& ws, int4& item) {
 // entry's loads followed the branches on its format and layout, one round trip each: at N = 1 the
 // split-K blocks spent 26-38% of their warps' samples before their first weight load. Read whole,
 // calls ran 1.01-1.04x faster (docs/PERF.md, v3.20). Every thread of the block must call it.
+constexpr int kExpertWords = sizeof(DevExpert) / 8;
+static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && kExpertWords <= kWarp);
+
+// Word `word` of the expert's table entry into `entry` (shared memory), where the entry has it.
+template <typename Index>
+__device__ __forceinline__ void copy_expert_word(const DevLayer& L, int expert, Index word, uint2* entry) {
+  if (word < static_cast<Index>(kExpertWords)) entry[word] = __ldg(reinterpret_cast<const uint2*>(L.experts + expert) + word);
+}
+
 __device__ __forceinline__ const DevExpert& block_expert(const DevLayer& L, int expert) {
-  static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && sizeof(DevExpert) / 8 <= kWarps * kWarp);
-  constexpr int kWords = sizeof(DevExpert) / 8;
-  __shared__ __align__(16) uint2 entry[kWords];
-  if (threadIdx.x < kWords) entry[threadIdx.x] = __ldg(reinterpret_cast<const uint2*>(L.experts + expert) + threadIdx.x);
+  __shared__ __align__(16) uint2 entry[kExpertWords];
+  copy_expert_word(L, expert, threadIdx.x, entry);
   __syncthreads();
   return *reinterpret_cast<const DevExpert*>(entry);
 }
@@ -1064,9 +1071,7 @@ template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
-  constexpr int kWords = sizeof(DevExpert) / 8;
-  static_assert(sizeof(DevExpert) % 8 == 0 && alignof(DevExpert) == 8 && kWords <= kWays * kWarp);
-  __shared__ __align__(16) uint2 entries[kGroups][kWords];
+  __shared__ __align__(16) uint2 entries[kGroups][kExpertWords];
   __shared__ float row_sums[kDownBlendWarps][kExpertMajorDownBlendTokens][kRows];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
   const int g = warp / kWays, way = warp % kWays;
@@ -1080,9 +1085,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   // beside the expert's table entry; the weight is not needed until after the MMAs.
   int routes[1] = {active ? ws.route_list[item.y + (gid < item.z ? gid : 0)] : 0};
   const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
-  if (active && in_group < kWords) {
-    entries[g][in_group] = __ldg(reinterpret_cast<const uint2*>(L.experts + item.x) + in_group);
-  }
+  if (active) copy_expert_word(L, item.x, in_group, entries[g]);
   for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
   __syncthreads();
   if (active) {
