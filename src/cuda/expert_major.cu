@@ -1000,19 +1000,10 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(D
   if (threadIdx.x < kWarp) {
     const bool publish = blockIdx.x == 0 && blockIdx.y == 0;
     route_token_warp<kPerLane>(L, 0, ws, select_keys, ids, publish);
-    __syncwarp();  // ids was written by other lanes of this warp
-    const int lane = threadIdx.x;
-    const int routes = L.top_k + (L.has_shared ? 1 : 0);  // <= 32 (gate_up_selects)
-    const int e = lane < routes ? route_table_index(L, ws, 1, lane, ids) : -1;
-    const uint32_t kept = __ballot_sync(0xFFFFFFFFu, e >= 0);
-    const int slot = __popc(kept & ((1u << lane) - 1u));
-    if (lane == 0) chosen = make_int4(-1, 0, 0, 0);
+    const int4 mine = group_one_token(L, ws, ids, publish);  // top_k + shared <= 32 (gate_up_selects)
+    if (threadIdx.x == 0) chosen = make_int4(-1, 0, 0, 0);
     __syncwarp();
-    if (e >= 0 && slot == static_cast<int>(blockIdx.y)) chosen = make_int4(e, slot, 1, 0), chosen_route = lane;
-    if (publish) {
-      if (e >= 0) ws.items[slot] = make_int4(e, slot, 1, 0), ws.route_list[slot] = lane;
-      if (lane == 0) *ws.num_items = __popc(kept);
-    }
+    if (mine.x >= 0 && mine.y == static_cast<int>(blockIdx.y)) chosen = mine, chosen_route = threadIdx.x;
   }
   __syncthreads();
   const int4 item = chosen;

@@ -227,19 +227,24 @@ __device__ __forceinline__ int route_table_index(const DevLayer& L, const DevWor
 // The grouping of one token's routes by the warp that selected them (its choices in `ids`,
 // written by that warp): a token chooses an expert at most once, so each route on an expert run
 // here is a work item of its own, in route order. No counting, scans or block barriers, which
-// group_routes spends on any n.
-__device__ __forceinline__ void group_one_token(const DevLayer& L, const DevWorkspace& ws, const int* ids) {
+// group_routes spends on any n. Written to ws.items, ws.route_list and ws.num_items where
+// `publish`; either way lane r (route r) gets its item, {-1, ...} where the route has none.
+__device__ __forceinline__ int4 group_one_token(const DevLayer& L, const DevWorkspace& ws, const int* ids,
+                                                bool publish = true) {
   __syncwarp();  // the choices in `ids` were written by other lanes of this warp
   const int lane = threadIdx.x % kWarp;
   const int routes = L.top_k + (L.has_shared ? 1 : 0);  // <= 32 (moe_route_warps)
   const int e = lane < routes ? route_table_index(L, ws, 1, lane, ids) : -1;
   const uint32_t kept = __ballot_sync(0xFFFFFFFFu, e >= 0);
   const int slot = __popc(kept & ((1u << lane) - 1u));
-  if (e >= 0) {
-    ws.items[slot] = make_int4(e, slot, 1, 0);
-    ws.route_list[slot] = lane;
+  if (publish) {
+    if (e >= 0) {
+      ws.items[slot] = make_int4(e, slot, 1, 0);
+      ws.route_list[slot] = lane;
+    }
+    if (lane == 0) *ws.num_items = __popc(kept);
   }
-  if (lane == 0) *ws.num_items = __popc(kept);
+  return e >= 0 ? make_int4(e, slot, 1, 0) : make_int4(-1, 0, 0, 0);
 }
 
 }  // namespace moeinfer::cuda
