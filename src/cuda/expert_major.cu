@@ -1074,7 +1074,8 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   const bool active = g < *ws.num_items;
   // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
   // beside the expert's table entry; the weight is not needed until after the MMAs.
-  int routes[1] = {active ? ws.route_list[item.y + (gid < item.z ? gid : 0)] : 0};
+  int routes[1] = {0};
+  if (active) split_routes(ws, item, routes);
   const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
   if (active) copy_expert_word(L, item.x, in_group, entries[g]);
   for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
