@@ -853,39 +853,46 @@ TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
 }
 
 // The down and blend of a call of up to 8 tokens run as one kernel (moe_expert_down_blend) where
-// its items fit 16 warps and H / 16 blocks fit one per SM; the warps per item as many as fit, up
-// to 4.
+// its items fit two rounds of 16 warps and H / 16 blocks fit one per SM; in one round the warps
+// per item as many as fit, up to 4; in two, one each.
 TEST(ExpertMajorSizing, FewTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
+  const auto fused = [](const cuda::DevLayer& L, int n) {
+    const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
+    return fmt::format("{} x{}", c.down_blend_ways, c.down_blend_rounds);
+  };
   cuda::DevLayer L;  // qwen3-30b-a3b: 8 items at N = 1
   L.hidden = 2048, L.act_stride = 768, L.num_experts = 128, L.router_outputs = 128, L.top_k = 8, L.sm_count = 132;
-  EXPECT_EQ(cuda::expert_major_launch(L, 1).down_blend_ways, 2);
-  EXPECT_EQ(cuda::expert_major_launch(L, 2).down_blend_ways, 1);  // up to 16 items
-  EXPECT_EQ(cuda::expert_major_launch(L, 3).down_blend_ways, 0);  // up to 24 items
+  EXPECT_EQ(fused(L, 1), "2 x1");
+  EXPECT_EQ(fused(L, 2), "1 x1");  // up to 16 items
+  EXPECT_EQ(fused(L, 3), "1 x2");  // up to 24 items
+  EXPECT_EQ(fused(L, 4), "1 x2");  // up to 32
+  EXPECT_EQ(fused(L, 5), "0 x1");  // up to 40
   cuda::DevLayer top2 = L;  // top-2: 2 items per token, 16 at 8 tokens, none past 8 tokens
   top2.top_k = 2;
-  EXPECT_EQ(cuda::expert_major_launch(top2, 2).down_blend_ways, 4);
-  EXPECT_EQ(cuda::expert_major_launch(top2, 8).down_blend_ways, 1);
-  EXPECT_EQ(cuda::expert_major_launch(top2, 9).down_blend_ways, 0);
+  EXPECT_EQ(fused(top2, 2), "4 x1");
+  EXPECT_EQ(fused(top2, 8), "1 x1");
+  EXPECT_EQ(fused(top2, 9), "0 x1");
   cuda::DevLayer next = L;  // qwen3-next-80b-a3b: top-10 and a shared expert, 11 items
   next.act_stride = 512, next.num_experts = next.router_outputs = 512, next.top_k = 10, next.has_shared = true;
-  EXPECT_EQ(cuda::expert_major_launch(next, 1).down_blend_ways, 1);
-  EXPECT_EQ(cuda::expert_major_launch(next, 2).down_blend_ways, 0);  // 22 items
+  EXPECT_EQ(fused(next, 1), "1 x1");
+  EXPECT_EQ(fused(next, 2), "1 x2");  // 22 items
+  EXPECT_EQ(fused(next, 3), "0 x1");  // 33
   cuda::DevLayer few = L;  // top-2 and a shared expert: 3 items, 4 warps each
   few.top_k = 2, few.has_shared = true;
-  EXPECT_EQ(cuda::expert_major_launch(few, 1).down_blend_ways, 4);
-  cuda::DevLayer many = L;  // 17 items: past 16 warps
+  EXPECT_EQ(fused(few, 1), "4 x1");
+  cuda::DevLayer many = L;  // 17 items: past 16 warps, two rounds
   many.top_k = 16, many.has_shared = true;
-  EXPECT_EQ(cuda::expert_major_launch(many, 1).down_blend_ways, 0);
+  EXPECT_EQ(fused(many, 1), "1 x2");
   many.has_shared = false;  // 16 items: one warp each
-  EXPECT_EQ(cuda::expert_major_launch(many, 1).down_blend_ways, 1);
+  EXPECT_EQ(fused(many, 1), "1 x1");
   cuda::DevLayer wide = L;  // H = 2128: 133 blocks on 132 SMs
   wide.hidden = 2128;
-  EXPECT_EQ(cuda::expert_major_launch(wide, 1).down_blend_ways, 0);
+  EXPECT_EQ(fused(wide, 1), "0 x1");
   wide.hidden = 2112;  // 132 blocks
-  EXPECT_EQ(cuda::expert_major_launch(wide, 1).down_blend_ways, 2);
+  EXPECT_EQ(fused(wide, 1), "2 x1");
   cuda::DevLayer staged = L;
   staged.staged = 1;  // down forced staged
-  EXPECT_EQ(cuda::expert_major_launch(staged, 1).down_blend_ways, 0);
+  EXPECT_EQ(fused(staged, 1), "0 x1");
 }
 
 // What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
@@ -905,7 +912,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM)
   EXPECT_EQ(choice(qwen, 1), "8 8 sb");
   EXPECT_EQ(choice(qwen, 2), "8 16 sb");
-  EXPECT_EQ(choice(qwen, 4), "8 32 sp");  // 32 items, past 16 warps: down over row pairs
+  EXPECT_EQ(choice(qwen, 4), "8 32 sb");  // 32 items: two rounds of 16 warps
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it

@@ -233,7 +233,8 @@ std::string CudaMoe::call_config(int64_t n) const {
   if (call.staged_down) {
     down = call.down_copies_scales ? std::string("staged+scales") : staged(call.down_sliced, call.down_passes, call.down_ahead);
   } else if (call.down_blend_ways > 0) {
-    down = fmt::format("split-K + blend ({} warp{}/item)", call.down_blend_ways, call.down_blend_ways > 1 ? "s" : "");
+    down = fmt::format("split-K + blend ({} warp{}/item{})", call.down_blend_ways, call.down_blend_ways > 1 ? "s" : "",
+                       call.down_blend_rounds > 1 ? ", 2 items/warp" : "");
   } else if (call.down_pairs) {
     down = "split-K (row pairs)";
   }

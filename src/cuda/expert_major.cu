@@ -1048,17 +1048,18 @@ __device__ __forceinline__ float blend_weight(const DevLayer& L, int n, const De
   return L.shared_gate ? ws.shared_gate[route - n * L.top_k] : 1.0f;
 }
 
-// Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, for a call of a few
-// tokens (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1 split K of item
-// g's down over the block's rows, and add each token column's sums, times the blend's weight of
-// its route, into their own shared row sums of the column's token. The
+// Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, at most 16, for a
+// call of a few tokens (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1
+// split K of item g's down over the block's rows (kRounds 2, one warp per item: items g and
+// g + 16, the second after a block barrier), and add each token column's sums, times the blend's
+// weight of its route, into their own shared row sums of the column's token. The
 // block then adds the warps' sums in warp order, the zero experts' w x after them, and writes the
 // tokens' 16 outputs each: no expert_out, no blend kernel. The order is fixed, so the output is
 // the same on every run. NVFP4 loops load two chunks ahead (122-123 registers, no spills). On
 // the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call, N = 2 1.14-1.16x,
 // qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one (docs/PERF.md, v3.21).
-// One warp running two items in turn (qwen3-next N = 2: 22 items) spilled 2 KB.
-template <int kWays>
+// Two rounds (128 registers, no spills) as a rolled loop spilled 2 KB; not yet run on a GPU.
+template <int kWays, int kRounds = 1>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
@@ -1068,35 +1069,45 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   const int g = warp / kWays, way = warp % kWays;
   const int in_group = threadIdx.x - g * kWays * kWarp;
   const int row0 = blockIdx.x * kRows;
-  // The item's load goes out beside the count's (read_item); slots past the count hold stale
-  // items, not used.
-  const int4 item = ws.items[g];
-  const bool active = g < *ws.num_items;
-  // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
-  // beside the expert's table entry; the weight is not needed until after the MMAs.
-  int routes[1] = {0};
-  if (active) split_routes(ws, item, routes);
-  const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
-  if (active) copy_expert_word(L, item.x, in_group, entries[g]);
-  for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
-  __syncthreads();
-  if (active) {
-    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
-    float acc[1][1][4] = {};
-    item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
-                                                                       acc);
-    // Accumulator i: row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane
-    // 4 (2c + i % 2) holds. An item's routes are of different tokens, so no two lanes add to the
-    // same sum.
+  const int groups = blockDim.x / (kWays * kWarp);
+  const int items = *ws.num_items;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
-      const int route = __shfl_sync(0xFFFFFFFFu, routes[0], 4 * column);
-      const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
-      if (column >= item.z) continue;
-      float v = acc[0][0][i] * output_multiplier(ex.down, row0 + row);
-      if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
-      row_sums[warp][route_token(L, n, route)][row] += w * v;
+  for (int round = 0; round < kRounds; ++round) {  // items g, g + groups, ...
+    const int slot = g + round * groups;
+    // The item's load goes out beside the count's (read_item); slots past the count hold stale
+    // items, not used.
+    const int4 item = ws.items[slot];
+    const bool active = slot < items;
+    // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
+    // beside the expert's table entry; the weight is not needed until after the MMAs.
+    int routes[1] = {0};
+    if (active) split_routes(ws, item, routes);
+    const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
+    if (round > 0) __syncthreads();  // the last round's table entries are read no more
+    if (active) copy_expert_word(L, item.x, in_group, entries[g]);
+    if (round == 0) {
+      for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
+    }
+    __syncthreads();
+    if (active) {
+      const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
+      float acc[1][1][4] = {};
+      item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
+                                                                         acc);
+      // Accumulator i: row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane
+      // 4 (2c + i % 2) holds. An item's routes are of different tokens, so no two lanes add to
+      // the same sum; __syncwarp orders them before the next round's.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
+        const int route = __shfl_sync(0xFFFFFFFFu, routes[0], 4 * column);
+        const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
+        if (column >= item.z) continue;
+        float v = acc[0][0][i] * output_multiplier(ex.down, row0 + row);
+        if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
+        row_sums[warp][route_token(L, n, route)][row] += w * v;
+      }
+      if (kRounds > 1) __syncwarp();
     }
   }
   __syncthreads();
@@ -1311,8 +1322,13 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
   cudaError_t err = launch_gemm(true, L, n, ws, call, stream);
   if (err != cudaSuccess) return err;
   if (call.down_blend_ways > 0) {
-    const dim3 block(call.max_items * call.down_blend_ways * kWarp);
+    const int warps = call.max_items * call.down_blend_ways;
+    const dim3 block((warps < kDownBlendWarps ? warps : kDownBlendWarps) * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
+    if (call.down_blend_rounds == 2) {
+      moe_expert_down_blend<1, 2><<<grid, block, 0, stream>>>(L, x, n, ws, out);
+      return cudaGetLastError();
+    }
     switch (call.down_blend_ways) {
       case 4: moe_expert_down_blend<4><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
       case 2: moe_expert_down_blend<2><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;

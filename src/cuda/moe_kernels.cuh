@@ -318,16 +318,24 @@ inline constexpr int kExpertMajorDownBlendTokens = 8;
 
 // The warps per item of a call's fused down and blend (moe_expert_down_blend), or 0 where the call
 // runs a down kernel, then the blend: calls of up to 8 tokens whose down is split-K at one token
-// tile, whose items fit 16 warps (4, 2 or 1 per item: up to 4, 8 or 16 items), and whose H / 16
-// blocks, one per SM, fit one wave. (A warp that ran two items in turn spilled 2 KB.)
+// tile, whose items fit two rounds of 16 warps (4, 2 or 1 warps per item: up to 4, 8 or 16 items
+// in one round; 17-32 items one warp each in two, expert_major_down_blend_rounds), and whose
+// H / 16 blocks, one per SM, fit one wave.
 inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_down, int group, int max_items) {
-  if (n > kExpertMajorDownBlendTokens || staged_down || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) {
+  if (n > kExpertMajorDownBlendTokens || staged_down || group != 8 || max_items < 1 ||
+      max_items > 2 * kExpertMajorDownBlendWarps || L.hidden / 16 > L.sm_count) {
     return 0;
   }
-  for (const int ways : {4, 2, 1}) {
+  for (const int ways : {4, 2}) {
     if (max_items * ways <= kExpertMajorDownBlendWarps) return ways;
   }
-  return 0;
+  return 1;
+}
+
+// The items each warp of a fused down and blend runs in turn: 2 past 16 items (each warp's
+// second item after a block barrier, with its own table entry), else 1.
+inline int expert_major_down_blend_rounds(int ways, int max_items) {
+  return ways > 0 && max_items > kExpertMajorDownBlendWarps ? 2 : 1;
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
@@ -340,8 +348,8 @@ inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_do
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
 // split-K down runs over row pairs (expert_major_down_pairs), and whether the gate_up selects
 // (expert_major_gate_up_selects), and the warps per item of a fused down and blend
-// (expert_major_down_blend_ways; 0: none). The launcher and the bench's per-call config both
-// read it.
+// (expert_major_down_blend_ways; 0: none) with the items each warp runs in turn
+// (expert_major_down_blend_rounds). The launcher and the bench's per-call config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
@@ -356,6 +364,7 @@ struct ExpertMajorLaunch {
   bool down_pairs = false;  // split-K down of one token tile over 32-row pairs (moe_expert_down_pairs)
   bool gate_up_selects = false;  // no route kernel: the gate_up kernel selects (moe_expert_gate_up_select)
   int down_blend_ways = 0;  // > 0: down and blend in one kernel, this many warps per item (moe_expert_down_blend)
+  int down_blend_rounds = 1;  // the fused down's items per warp, one after the other
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -378,6 +387,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   c.down_blend_ways = expert_major_down_blend_ways(L, n, c.staged_down, c.group, c.max_items);
+  c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   return c;
