@@ -1080,8 +1080,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     const bool active = slot < items;
     // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
     // beside the expert's table entry; the weight is not needed until after the MMAs.
-    int routes[1] = {0};
-    if (active) split_routes(ws, item, routes);
+    int routes[1] = {active ? ws.route_list[item.y + (gid < item.z ? gid : 0)] : 0};
     const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
     if (round > 0) __syncthreads();  // the last round's table entries are read no more
     if (active) copy_expert_word(L, item.x, in_group, entries[g]);
