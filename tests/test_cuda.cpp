@@ -489,6 +489,69 @@ TEST_F(Cuda, BlendVariantsAgreeBitForBit) {
   EXPECT_EQ(checked, 2 * 3);
 }
 
+// The fused down and blend of more items than two rounds of 16 warps (moe_expert_down_blend_rolled)
+// on every K loop it has: NVFP4 in tiles, row-major and 16-byte aligned, and row-major with
+// 8-byte aligned rows (K = 176: a 48-column tail); FP8 block-128, per-channel and per-tensor; BF16.
+// With a shared expert and its gate, zero experts, and plain top-8. Each call matches the reference,
+// the same call forced staged (no fused down) within bf16 rounding, and itself bit for bit on a
+// second run.
+TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
+  const std::vector<std::pair<Family, FamilyShape>> shapes = {
+      {Family::kQwen3Moe, {.hidden = 128, .intermediate = 256, .num_experts = 64, .top_k = 8}},
+      {Family::kQwen3Moe, {.hidden = 64, .intermediate = 176, .num_experts = 64, .top_k = 8}},
+      {Family::kQwen3Next, {.hidden = 128, .intermediate = 128, .num_experts = 64, .top_k = 8, .shared_intermediate = 128}},
+      {Family::kLongcatFlash, {.hidden = 128, .intermediate = 128, .num_experts = 48, .top_k = 8, .num_zero_experts = 16,
+                               .norm_topk_prob = false, .routed_scaling_factor = 6.0}},
+  };
+  const std::vector<QuantSpec> specs = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                        QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel},
+                                        QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerTensor}, QuantSpec{WeightFormat::kBF16}};
+  int rolled = 0;
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    const int64_t h = d.hidden;
+    for (const QuantSpec& spec : specs) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 31));
+      for (const bool tiles : {true, false}) {
+        if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
+        for (const int64_t n : {5, 8}) {
+          const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 40);
+          std::vector<float> expected(tokens.size());
+          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+          DeviceArray<float> x(tokens.size()), out(tokens.size());
+          x.put(tokens);
+          std::vector<std::vector<float>> got;
+          std::string config;
+          for (const bool staged : {false, false, true}) {
+            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+                layer, n,
+                CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1,
+                               .staged = staged ? std::optional<bool>(true) : std::nullopt, .weight_tiles = tiles}));
+            out.poison();
+            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            got.push_back(out.get());
+            if (got.size() == 1) config = moe->call_config(n);
+            ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); }))
+                << describe_shape(d) << ", " << quant_spec_name(spec) << ", n " << n << ", staged " << staged;
+          }
+          const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
+                                               tiles ? "tiles" : "row-major", n, config);
+          // 40 or more routes on at least 40 experts: past 32 items, one warp each in 3-5 rounds.
+          const size_t at = config.find("split-K + blend (1 warp/item, ");
+          ASSERT_NE(at, std::string::npos) << what;
+          EXPECT_GE(std::stoi(config.substr(at + std::string("split-K + blend (1 warp/item, ").size())), 3) << what;
+          EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
+          EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
+          EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
+          ++rolled;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(rolled, 4 * 6 * 2);
+}
+
 // NVFP4 block scales are signed E4M3: negative ones (their codes' signs flipped, so the values stay)
 // and zero ones over nonzero codes (those blocks' values become zero) in every expert matrix and
 // the shared expert's. The upload folds both (cuda/nvfp4_scale_fold.h) so that the expert-major
@@ -893,6 +956,27 @@ TEST(ExpertMajorSizing, FewTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
   cuda::DevLayer staged = L;
   staged.staged = 1;  // down forced staged
   EXPECT_EQ(fused(staged, 1), "0 x1");
+  // Past 32 items, one warp per item in a rolled loop, up to 128 items, where every expert's down
+  // takes one K loop (DevLayer::down_path), whatever down the call would run otherwise (qwen3-30b
+  // N = 8 stages its down), unless staging is forced; it then runs no staged down.
+  EXPECT_EQ(fused(L, 5), "0 x1");  // the experts' K loops not known to agree
+  cuda::DevLayer one_loop = L;
+  one_loop.down_path = cuda::kPathNvfp4Tiled;
+  EXPECT_EQ(fused(one_loop, 4), "1 x2");
+  EXPECT_EQ(fused(one_loop, 5), "1 x3");  // 40 items
+  EXPECT_EQ(fused(one_loop, 8), "1 x4");  // 64
+  EXPECT_FALSE(cuda::expert_major_launch(one_loop, 8).staged_down);
+  EXPECT_EQ(fused(one_loop, 9), "0 x1");  // past 8 tokens
+  one_loop.top_k = 16;  // 128 items at 8 tokens, 129 with a shared expert
+  EXPECT_EQ(fused(one_loop, 8), "1 x8");
+  one_loop.has_shared = true;
+  EXPECT_EQ(fused(one_loop, 8), "0 x1");
+  one_loop.has_shared = false, one_loop.staged = 1;
+  EXPECT_EQ(fused(one_loop, 8), "0 x1");
+  one_loop.staged = 0;  // forbidding staging leaves it
+  EXPECT_EQ(fused(one_loop, 8), "1 x8");
+  one_loop.hidden = 2128;  // 133 blocks of H
+  EXPECT_EQ(fused(one_loop, 8), "0 x1");
 }
 
 // What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
@@ -914,6 +998,11 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(qwen, 2), "8 16 sb");
   EXPECT_EQ(choice(qwen, 4), "8 32 sb");  // 32 items: two rounds of 16 warps
   EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
+  cuda::DevLayer one_loop = qwen;  // as uploaded: every down in NVFP4 tiles, one K loop
+  one_loop.down_path = cuda::kPathNvfp4Tiled;
+  EXPECT_EQ(choice(one_loop, 5), "8 40 sb");  // past two rounds: the rolled fused down, not the row pairs
+  EXPECT_EQ(choice(one_loop, 8), "8 64 sb");  // and in place of the staged down
+  EXPECT_EQ(choice(one_loop, 9), "8 72 sS");  // past 8 tokens
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
@@ -947,6 +1036,11 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
+  next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 3-8: 33-88 items
+  EXPECT_EQ(choice(next, 3), "8 33 sb");
+  EXPECT_EQ(choice(next, 8), "8 88 sb");
+  EXPECT_EQ(choice(next, 16), "8 176 SS");
+  next.down_path = cuda::kPathAny;
   EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
   EXPECT_EQ(choice(next, 256), "8 866 S2");
   next.nvfp4 = true;  // four passes: 8 x 352 = 2816 four-pass blocks

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -234,7 +235,7 @@ std::string CudaMoe::call_config(int64_t n) const {
     down = call.down_copies_scales ? std::string("staged+scales") : staged(call.down_sliced, call.down_passes, call.down_ahead);
   } else if (call.down_blend_ways > 0) {
     down = fmt::format("split-K + blend ({} warp{}/item{})", call.down_blend_ways, call.down_blend_ways > 1 ? "s" : "",
-                       call.down_blend_rounds > 1 ? ", 2 items/warp" : "");
+                       call.down_blend_rounds > 1 ? fmt::format(", {} items/warp", call.down_blend_rounds) : "");
   } else if (call.down_pairs) {
     down = "split-K (row pairs)";
   }
@@ -382,6 +383,17 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
   });
   L.weight_tiles = impl->tiled_matrices > 0;
+  // The K loop every (owned) expert's down takes, where they agree: a fused down of many items
+  // runs one loop for all of them (expert_major_down_blend_ways).
+  std::optional<int> down_path;
+  bool downs_agree = true;
+  for (const cuda::DevExpert& x : table) {
+    if (x.gate.rows == 0) continue;  // another rank's expert
+    const int down = cuda::weight_path(x.down);
+    downs_agree = downs_agree && (!down_path || *down_path == down);
+    down_path = down;
+  }
+  L.down_path = static_cast<int8_t>(down_path && downs_agree ? *down_path : cuda::kPathAny);
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

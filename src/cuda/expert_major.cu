@@ -702,35 +702,6 @@ __device__ __forceinline__ void stage_scales(const DevMatrix& m, int row0, uint8
   }
 }
 
-// Whether every weight run of the main loop over an NVFP4 matrix starts 16-byte aligned (and its
-// scale codes 2-byte aligned): run_item's aligned16.
-__device__ __forceinline__ bool nvfp4_aligned16(const DevMatrix& m) {
-  return (m.cols / 2) % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
-}
-
-// Whether an NVFP4 matrix runs the kTiled loop: in tiles (whole chunks, no tail), its runs 16-byte
-// and its scale tiles 4-byte aligned.
-__device__ __forceinline__ bool nvfp4_tiled(const DevMatrix& m) {
-  return m.tiled && nvfp4_aligned16(m) && reinterpret_cast<uintptr_t>(m.block_scales) % 4 == 0;
-}
-
-// The K loop a work item's matrix takes (run_item's kPath): chosen inside run_item by default
-// (kPathAny), or fixed by a caller that runs several items of one expert (the four-pass staged
-// down), so that its loop holds one format's code.
-enum : int { kPathAny = -1, kPathNvfp4Tiled, kPathNvfp4Aligned, kPathNvfp4, kPathFp8Block, kPathFp8, kPathBf16 };
-
-__device__ __forceinline__ int weight_path(const DevMatrix& m) {
-  const WeightFormat format = static_cast<WeightFormat>(m.format);
-  if (format == WeightFormat::kNVFP4) {
-    return nvfp4_tiled(m) ? kPathNvfp4Tiled : (nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4);
-  }
-  if (format == WeightFormat::kFP8) {
-    return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128) ? kPathFp8Block : kPathFp8;
-  }
-  return kPathBf16;
-}
-
 // The weight matrices an item's MMAs run over at once: gate and up, or the down's two 16-row
 // panels (kPairs), else the down's one.
 __host__ __device__ constexpr int item_mats(bool gate_up, bool pairs) { return gate_up || pairs ? 2 : 1; }
@@ -1048,24 +1019,66 @@ __device__ __forceinline__ float blend_weight(const DevLayer& L, int n, const De
   return L.shared_gate ? ws.shared_gate[route - n * L.top_k] : 1.0f;
 }
 
+// A fused down's per-warp sums of each token's 16 rows of H (moe_expert_down_blend and _rolled).
+using BlendRowSums = float[kExpertMajorDownBlendTokens][kRows];
+
+// Adds one warp's MMA sums of an item (acc: its way's, of the item's `columns` token columns) into
+// the warp's row sums, each token column's times the blend's weight of its route. Accumulator i:
+// row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane 4 (2c + i % 2) holds
+// (`route`, `weight`). An item's routes are of different tokens, so no two lanes add to the same
+// sum. The bias goes in once per item, by its way 0.
+__device__ __forceinline__ void add_blended(const DevLayer& L, int n, const DevExpert& ex, int row0, bool way0,
+                                            const float (&acc)[4], int route, float weight, int columns,
+                                            BlendRowSums& row_sums) {
+  const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
+    const int column_route = __shfl_sync(0xFFFFFFFFu, route, 4 * column);
+    const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
+    if (column >= columns) continue;
+    float v = acc[i] * output_multiplier(ex.down, row0 + row);
+    if (way0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
+    row_sums[route_token(L, n, column_route)][row] += w * v;
+  }
+}
+
+// The end of a fused down: the block's threads add its `warps` warps' row sums in warp order, the
+// zero experts' w x after them, and write each token's 16 outputs from row0. The order is fixed,
+// so the output is the same on every run.
+__device__ __forceinline__ void write_blended(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
+                                              float* out, const BlendRowSums* row_sums, int warps, int row0) {
+  for (int i = threadIdx.x; i < n * kRows; i += blockDim.x) {
+    const int t = i / kRows, h = row0 + i % kRows;
+    float sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum += row_sums[w][t][i % kRows];
+    if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
+      for (int j = t * L.top_k; j < (t + 1) * L.top_k; ++j) {
+        if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[static_cast<int64_t>(t) * L.hidden + h];
+      }
+    }
+    out[static_cast<int64_t>(t) * L.hidden + h] = sum;
+  }
+}
+
 // Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, at most 16, for a
 // call of a few tokens (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1
 // split K of item g's down over the block's rows (kRounds 2, one warp per item: items g and
 // g + 16, the second after a block barrier), and add each token column's sums, times the blend's
-// weight of its route, into their own shared row sums of the column's token. The
-// block then adds the warps' sums in warp order, the zero experts' w x after them, and writes the
-// tokens' 16 outputs each: no expert_out, no blend kernel. The order is fixed, so the output is
-// the same on every run. NVFP4 loops load two chunks ahead (122-123 registers, no spills). On
-// the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call, N = 2 1.14-1.16x,
-// qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one (docs/PERF.md, v3.21).
-// Two rounds (128 registers, no spills) as a rolled loop spilled 2 KB; not yet run on a GPU.
+// weight of its route, into their own shared row sums of the column's token (add_blended). The
+// block then adds the warps' sums and writes the tokens' outputs (write_blended): no expert_out,
+// no blend kernel. NVFP4 loops load two chunks ahead (122-128 registers, no spills). On the H200
+// against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call, N = 2 1.14-1.16x, N = 3-4
+// (two rounds) 1.09-1.13x; qwen3-next-80b-a3b N = 1 1.19x, N = 2 (two rounds) 1.08-1.09x; two
+// ahead 1.01-1.02x more than one (docs/PERF.md, v3.21-v3.22). Two rounds as a rolled loop, the
+// K loop chosen per item, spilled 2 KB: moe_expert_down_blend_rolled fixes the loop instead.
 template <int kWays, int kRounds = 1>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
   __shared__ __align__(16) uint2 entries[kGroups][kExpertWords];
-  __shared__ float row_sums[kDownBlendWarps][kExpertMajorDownBlendTokens][kRows];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
+  __shared__ BlendRowSums row_sums[kDownBlendWarps];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4;
   const int g = warp / kWays, way = warp % kWays;
   const int in_group = threadIdx.x - g * kWays * kWarp;
   const int row0 = blockIdx.x * kRows;
@@ -1093,35 +1106,66 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
       float acc[1][1][4] = {};
       item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
                                                                          acc);
-      // Accumulator i: row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane
-      // 4 (2c + i % 2) holds. An item's routes are of different tokens, so no two lanes add to
-      // the same sum; __syncwarp orders them before the next round's.
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
-        const int route = __shfl_sync(0xFFFFFFFFu, routes[0], 4 * column);
-        const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
-        if (column >= item.z) continue;
-        float v = acc[0][0][i] * output_multiplier(ex.down, row0 + row);
-        if (way == 0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
-        row_sums[warp][route_token(L, n, route)][row] += w * v;
-      }
-      if (kRounds > 1) __syncwarp();
+      add_blended(L, n, ex, row0, way == 0, acc[0][0], routes[0], weight, item.z, row_sums[warp]);
+      if (kRounds > 1) __syncwarp();  // this round's adds before the next round's
     }
   }
   __syncthreads();
-  const int warps = blockDim.x / kWarp;
-  for (int i = threadIdx.x; i < n * kRows; i += blockDim.x) {
-    const int t = i / kRows, h = row0 + i % kRows;
-    float sum = 0.0f;
-    for (int w = 0; w < warps; ++w) sum += row_sums[w][t][i % kRows];
-    if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
-      for (int j = t * L.top_k; j < (t + 1) * L.top_k; ++j) {
-        if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[static_cast<int64_t>(t) * L.hidden + h];
-      }
-    }
-    out[static_cast<int64_t>(t) * L.hidden + h] = sum;
+  write_blended(L, x, n, ws, out, row_sums, blockDim.x / kWarp, row0);
+}
+
+// The fused down and blend past two rounds (ExpertMajorLaunch::down_blend_rounds > 2, up to
+// kExpertMajorDownBlendMaxItems items). Grid: 16-row tiles of H; block: 16 warps, warp w running
+// items w, w + 16, ... one after the other in a rolled loop, each over the whole K, on the one K
+// loop every expert's down takes (kPath: DevLayer::down_path), so that the loop holds one
+// format's code. First each warp copies the table entries, items and token columns' routes of all
+// its items into shared memory, every load issued before the first is stored, so that no round
+// waits on the item tables before its weight loads; the blend weights load at the top of each
+// round and are read after its MMAs. Sums and outputs as moe_expert_down_blend's: each warp adds
+// its items' sums in item order, the block the warps' in warp order.
+template <int kPath>
+__global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
+    moe_expert_down_blend_rolled(DevLayer L, const float* x, int n, DevWorkspace ws, int max_items, float* out) {
+  constexpr int kMaxItems = kExpertMajorDownBlendMaxItems, kRoundsMax = kMaxItems / kDownBlendWarps;
+  __shared__ __align__(16) uint2 entries[kMaxItems][kExpertWords];
+  __shared__ int4 item_of[kMaxItems];
+  __shared__ int routes_of[kMaxItems][kTile];
+  __shared__ BlendRowSums row_sums[kDownBlendWarps];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4;
+  const int row0 = blockIdx.x * kRows;
+  // This warp's items (slots below max_items, which the workspace holds), loaded beside the count.
+  int4 item[kRoundsMax];
+#pragma unroll
+  for (int r = 0; r < kRoundsMax; ++r) {
+    const int slot = warp + r * kDownBlendWarps;
+    item[r] = slot < max_items ? ws.items[slot] : make_int4(0, 0, 1, 0);
   }
+  const int items = *ws.num_items;
+  // Their table entries (lanes below kExpertWords, a word each) and routes (lanes below kTile, a
+  // token column each; columns past an item's routes take its first route's, as split_routes).
+#pragma unroll
+  for (int r = 0; r < kRoundsMax; ++r) {
+    const int slot = warp + r * kDownBlendWarps;
+    if (slot >= items) break;
+    copy_expert_word(L, item[r].x, lane, entries[slot]);
+    if (lane < kTile) routes_of[slot][lane] = ws.route_list[item[r].y + (lane < item[r].z ? lane : 0)];
+    if (lane == 0) item_of[slot] = item[r];
+  }
+  for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
+  __syncwarp();
+#pragma unroll 1
+  for (int slot = warp; slot < items; slot += kDownBlendWarps) {
+    const int4 it = item_of[slot];
+    int routes[1] = {routes_of[slot][gid]};
+    const float weight = blend_weight(L, n, ws, routes[0]);
+    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[slot]);
+    float acc[1][1][4] = {};
+    item_sums<false, 1, true, false, false, kPath, 2, false, 1>(L, n, ws, ex, it, row0, routes, nullptr, true, acc);
+    add_blended(L, n, ex, row0, true, acc[0][0], routes[0], weight, it.z, row_sums[warp]);
+    __syncwarp();  // this item's adds before the next item's
+  }
+  __syncthreads();
+  write_blended(L, x, n, ws, out, row_sums, kDownBlendWarps, row0);
 }
 
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
@@ -1326,6 +1370,21 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
     if (call.down_blend_rounds == 2) {
       moe_expert_down_blend<1, 2><<<grid, block, 0, stream>>>(L, x, n, ws, out);
+      return cudaGetLastError();
+    }
+    if (call.down_blend_rounds > 2) {  // one K loop for every expert's down (L.down_path >= 0: the rule)
+      const auto rolled = [&]<int kPath>() {
+        moe_expert_down_blend_rolled<kPath><<<grid, block, 0, stream>>>(L, x, n, ws, call.max_items, out);
+      };
+      switch (L.down_path) {
+        case kPathNvfp4Tiled: rolled.template operator()<kPathNvfp4Tiled>(); break;
+        case kPathNvfp4Aligned: rolled.template operator()<kPathNvfp4Aligned>(); break;
+        case kPathNvfp4: rolled.template operator()<kPathNvfp4>(); break;
+        case kPathFp8Block: rolled.template operator()<kPathFp8Block>(); break;
+        case kPathFp8: rolled.template operator()<kPathFp8>(); break;
+        case kPathBf16: rolled.template operator()<kPathBf16>(); break;
+        default: return cudaErrorInvalidValue;  // not chosen without one loop (expert_major_down_blend_ways)
+      }
       return cudaGetLastError();
     }
     switch (call.down_blend_ways) {

@@ -67,6 +67,7 @@ struct DevLayer {
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
+  int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
   int8_t router_mma = -1;  // router logits on the tensor cores (moe_router_mma): 1 forced, 0 forbidden, -1 chosen
   int32_t router_mma_tokens = 0;  // calls of up to this many tokens may run moe_router_mma (0: none may)
   DevMatrix router;                          // [E + Z, H], bias = router bias
@@ -114,6 +115,35 @@ __device__ __forceinline__ float activate(const DevLayer& L, float g, float u) {
   return g * sigmoidf(g) * u;
 }
 #endif
+
+// Whether every weight run of the main loop over an NVFP4 matrix starts 16-byte aligned (and its
+// scale codes 2-byte aligned): the expert-major K loop's aligned16.
+__host__ __device__ __forceinline__ bool nvfp4_aligned16(const DevMatrix& m) {
+  return (m.cols / 2) % 16 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(m.block_scales) % 2 == 0;
+}
+
+// Whether an NVFP4 matrix runs the kTiled loop: in tiles (whole chunks, no tail), its runs 16-byte
+// and its scale tiles 4-byte aligned.
+__host__ __device__ __forceinline__ bool nvfp4_tiled(const DevMatrix& m) {
+  return m.tiled && nvfp4_aligned16(m) && reinterpret_cast<uintptr_t>(m.block_scales) % 4 == 0;
+}
+
+// The expert-major K loop a matrix takes (run_item's kPath in expert_major.cu): chosen per item
+// by default (kPathAny), or fixed by a caller that runs several items (the four-pass staged down,
+// the fused down of many items: DevLayer::down_path), so that its loop holds one format's code.
+enum : int { kPathAny = -1, kPathNvfp4Tiled, kPathNvfp4Aligned, kPathNvfp4, kPathFp8Block, kPathFp8, kPathBf16 };
+
+__host__ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
+  const WeightFormat format = static_cast<WeightFormat>(m.format);
+  if (format == WeightFormat::kNVFP4) {
+    return nvfp4_tiled(m) ? kPathNvfp4Tiled : (nvfp4_aligned16(m) ? kPathNvfp4Aligned : kPathNvfp4);
+  }
+  if (format == WeightFormat::kFP8) {
+    return m.fp8_scaling == static_cast<uint8_t>(Fp8Scaling::kBlock128) ? kPathFp8Block : kPathFp8;
+  }
+  return kPathBf16;
+}
 
 // Scratch for one call of up to max_tokens tokens. Routes are numbered token-major:
 // route t * k + j is slot j of token t; route n * k + t is token t's shared expert.
@@ -312,30 +342,37 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
 
 // moe_expert_down_blend: a call's down and blend in one kernel, one block per 16 rows of H, each
 // running all of the call's items, `ways` warps splitting K for each (at most this many warps in
-// all, and calls of at most this many tokens).
+// all, and calls of at most this many tokens). Past two rounds of 16 warps, one warp per item in
+// a rolled loop (moe_expert_down_blend_rolled), up to kExpertMajorDownBlendMaxItems items.
 inline constexpr int kExpertMajorDownBlendWarps = 16;
 inline constexpr int kExpertMajorDownBlendTokens = 8;
+inline constexpr int kExpertMajorDownBlendMaxItems = 8 * kExpertMajorDownBlendWarps;
 
 // The warps per item of a call's fused down and blend (moe_expert_down_blend), or 0 where the call
-// runs a down kernel, then the blend: calls of up to 8 tokens whose down is split-K at one token
-// tile, whose items fit two rounds of 16 warps (4, 2 or 1 warps per item: up to 4, 8 or 16 items
-// in one round; 17-32 items one warp each in two, expert_major_down_blend_rounds), and whose
-// H / 16 blocks, one per SM, fit one wave.
+// runs a down kernel, then the blend: calls of up to 8 tokens at one token tile whose H / 16
+// blocks, one per SM, fit one wave, and
+// - whose items fit two rounds of 16 warps and whose down is split-K (4, 2 or 1 warps per item:
+//   up to 4, 8 or 16 items in one round; 17-32 items one warp each in two);
+// - or, whatever down they would run otherwise, whose items fit kExpertMajorDownBlendMaxItems,
+//   one warp each, where every expert's down takes the same K loop (DevLayer::down_path: the
+//   rolled kernel holds one) and staging is not forced.
 inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_down, int group, int max_items) {
-  if (n > kExpertMajorDownBlendTokens || staged_down || group != 8 || max_items < 1 ||
-      max_items > 2 * kExpertMajorDownBlendWarps || L.hidden / 16 > L.sm_count) {
-    return 0;
+  if (n > kExpertMajorDownBlendTokens || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) return 0;
+  if (max_items > 2 * kExpertMajorDownBlendWarps) {
+    return max_items <= kExpertMajorDownBlendMaxItems && L.down_path >= 0 && L.staged != 1 ? 1 : 0;
   }
+  if (staged_down) return 0;
   for (const int ways : {4, 2}) {
     if (max_items * ways <= kExpertMajorDownBlendWarps) return ways;
   }
   return 1;
 }
 
-// The items each warp of a fused down and blend runs in turn: 2 past 16 items (each warp's
-// second item after a block barrier, with its own table entry), else 1.
+// The items each warp of a fused down and blend runs in turn: one per 16 items at one warp per
+// item (two: the second after a block barrier, with its own table entry; more: the rolled
+// kernel), else 1.
 inline int expert_major_down_blend_rounds(int ways, int max_items) {
-  return ways > 0 && max_items > kExpertMajorDownBlendWarps ? 2 : 1;
+  return ways == 1 ? (max_items + kExpertMajorDownBlendWarps - 1) / kExpertMajorDownBlendWarps : 1;
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
@@ -388,6 +425,10 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   c.down_blend_ways = expert_major_down_blend_ways(L, n, c.staged_down, c.group, c.max_items);
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
+  if (c.down_blend_ways > 0) {  // in place of a staged down (the rolled kernel's calls)
+    c.staged_down = c.down_sliced = c.down_copies_scales = false;
+    c.down_passes = c.down_ahead = 1;
+  }
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   return c;
