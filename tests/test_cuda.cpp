@@ -489,8 +489,8 @@ TEST_F(Cuda, BlendVariantsAgreeBitForBit) {
   EXPECT_EQ(checked, 2 * 3);
 }
 
-// The fused down and blend of more items than two rounds of 16 warps (moe_expert_down_blend_rolled)
-// on every K loop it has: NVFP4 in tiles, row-major and 16-byte aligned, and row-major with
+// The fused down and blend of more items than 16 warps (moe_expert_down_blend_rolled: 2-6 items per
+// warp here, up to 16 tokens) on every K loop it has: NVFP4 in tiles, row-major and 16-byte aligned, and row-major with
 // 8-byte aligned rows (K = 176: a 48-column tail); FP8 block-128, per-channel and per-tensor; BF16.
 // With a shared expert and its gate, zero experts, and plain top-8. Each call matches the reference,
 // the same call forced staged (no fused down) within bf16 rounding, and itself bit for bit on a
@@ -514,7 +514,7 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
       const Layer layer = take(make_synthetic_layer(d, spec, 31));
       for (const bool tiles : {true, false}) {
         if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
-        for (const int64_t n : {5, 8}) {
+        for (const int64_t n : {3, 8, 16}) {
           const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 40);
           std::vector<float> expected(tokens.size());
           ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
@@ -537,10 +537,10 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
           }
           const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
                                                tiles ? "tiles" : "row-major", n, config);
-          // 40 or more routes on at least 40 experts: past 32 items, one warp each in 3-5 rounds.
+          // 24 or more routes on at least 48 experts: past 16 items, one warp each in 2-6 rounds.
           const size_t at = config.find("split-K + blend (1 warp/item, ");
           ASSERT_NE(at, std::string::npos) << what;
-          EXPECT_GE(std::stoi(config.substr(at + std::string("split-K + blend (1 warp/item, ").size())), 3) << what;
+          EXPECT_GE(std::stoi(config.substr(at + std::string("split-K + blend (1 warp/item, ").size())), 2) << what;
           EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
           EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
           EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
@@ -549,7 +549,7 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
       }
     }
   }
-  EXPECT_EQ(rolled, 4 * 6 * 2);
+  EXPECT_EQ(rolled, 4 * 6 * 3);
 }
 
 // NVFP4 block scales are signed E4M3: negative ones (their codes' signs flipped, so the values stay)
@@ -915,74 +915,74 @@ TEST(ExpertMajorSizing, OneTokenCallsSelectInGateUpWhereOneWarpCan) {
   EXPECT_FALSE(cuda::expert_major_launch(wide, 1).gate_up_selects);
 }
 
-// The down and blend of a call of up to 8 tokens run as one kernel (moe_expert_down_blend) where
-// its items fit two rounds of 16 warps and H / 16 blocks fit one per SM; in one round the warps
-// per item as many as fit, up to 4; in two, one each.
+// The down and blend of a call of up to 16 tokens run as one kernel where H / 16 blocks fit one
+// per SM: up to 16 items with as many warps per item as fit, up to 4 (moe_expert_down_blend, where
+// the down would be split-K); up to 128 one warp each in a rolled loop, where every expert's down
+// takes one K loop (moe_expert_down_blend_rolled, whatever down the call would run otherwise:
+// qwen3-30b N = 8 stages its down), unless staging is forced; it then runs no staged down.
 TEST(ExpertMajorSizing, FewTokenCallsBlendInTheDownWhereItsBlocksFitOneWave) {
   const auto fused = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
     return fmt::format("{} x{}", c.down_blend_ways, c.down_blend_rounds);
   };
-  cuda::DevLayer L;  // qwen3-30b-a3b: 8 items at N = 1
+  cuda::DevLayer L;  // qwen3-30b-a3b: 8 items at N = 1; downs in NVFP4 tiles, as uploaded
   L.hidden = 2048, L.act_stride = 768, L.num_experts = 128, L.router_outputs = 128, L.top_k = 8, L.sm_count = 132;
+  L.down_path = cuda::kPathNvfp4Tiled;
   EXPECT_EQ(fused(L, 1), "2 x1");
   EXPECT_EQ(fused(L, 2), "1 x1");  // up to 16 items
   EXPECT_EQ(fused(L, 3), "1 x2");  // up to 24 items
-  EXPECT_EQ(fused(L, 4), "1 x2");  // up to 32
-  EXPECT_EQ(fused(L, 5), "0 x1");  // up to 40
-  cuda::DevLayer top2 = L;  // top-2: 2 items per token, 16 at 8 tokens, none past 8 tokens
+  EXPECT_EQ(fused(L, 5), "1 x3");  // 40
+  EXPECT_EQ(fused(L, 8), "1 x4");  // 64
+  EXPECT_FALSE(cuda::expert_major_launch(L, 8).staged_down);
+  EXPECT_EQ(fused(L, 16), "1 x8");  // 128
+  EXPECT_EQ(fused(L, 17), "0 x1");  // past 16 tokens
+  cuda::DevLayer mixed = L;  // the experts' down K loops not known to agree: one round only
+  mixed.down_path = cuda::kPathAny;
+  EXPECT_EQ(fused(mixed, 2), "1 x1");
+  EXPECT_EQ(fused(mixed, 3), "0 x1");
+  cuda::DevLayer top2 = L;  // top-2: 2 items per token
   top2.top_k = 2;
   EXPECT_EQ(fused(top2, 2), "4 x1");
   EXPECT_EQ(fused(top2, 8), "1 x1");
-  EXPECT_EQ(fused(top2, 9), "0 x1");
+  EXPECT_EQ(fused(top2, 9), "1 x2");
+  EXPECT_EQ(fused(top2, 16), "1 x2");
+  EXPECT_EQ(fused(top2, 17), "0 x1");
   cuda::DevLayer next = L;  // qwen3-next-80b-a3b: top-10 and a shared expert, 11 items
   next.act_stride = 512, next.num_experts = next.router_outputs = 512, next.top_k = 10, next.has_shared = true;
   EXPECT_EQ(fused(next, 1), "1 x1");
   EXPECT_EQ(fused(next, 2), "1 x2");  // 22 items
-  EXPECT_EQ(fused(next, 3), "0 x1");  // 33
+  EXPECT_EQ(fused(next, 3), "1 x3");  // 33
+  EXPECT_EQ(fused(next, 11), "1 x8");  // 121
+  EXPECT_EQ(fused(next, 12), "0 x1");  // 132: past 128
   cuda::DevLayer few = L;  // top-2 and a shared expert: 3 items, 4 warps each
   few.top_k = 2, few.has_shared = true;
   EXPECT_EQ(fused(few, 1), "4 x1");
-  cuda::DevLayer many = L;  // 17 items: past 16 warps, two rounds
+  cuda::DevLayer many = L;  // 17 items: past 16 warps
   many.top_k = 16, many.has_shared = true;
   EXPECT_EQ(fused(many, 1), "1 x2");
-  many.has_shared = false;  // 16 items: one warp each
+  EXPECT_EQ(fused(many, 8), "0 x1");  // 136
+  many.has_shared = false;  // 16 items: one warp each; 128 at 8 tokens
   EXPECT_EQ(fused(many, 1), "1 x1");
+  EXPECT_EQ(fused(many, 8), "1 x8");
   cuda::DevLayer wide = L;  // H = 2128: 133 blocks on 132 SMs
   wide.hidden = 2128;
   EXPECT_EQ(fused(wide, 1), "0 x1");
+  EXPECT_EQ(fused(wide, 8), "0 x1");
   wide.hidden = 2112;  // 132 blocks
   EXPECT_EQ(fused(wide, 1), "2 x1");
   cuda::DevLayer staged = L;
-  staged.staged = 1;  // down forced staged
+  staged.staged = 1;  // forced staged
   EXPECT_EQ(fused(staged, 1), "0 x1");
-  // Past 32 items, one warp per item in a rolled loop, up to 128 items, where every expert's down
-  // takes one K loop (DevLayer::down_path), whatever down the call would run otherwise (qwen3-30b
-  // N = 8 stages its down), unless staging is forced; it then runs no staged down.
-  EXPECT_EQ(fused(L, 5), "0 x1");  // the experts' K loops not known to agree
-  cuda::DevLayer one_loop = L;
-  one_loop.down_path = cuda::kPathNvfp4Tiled;
-  EXPECT_EQ(fused(one_loop, 4), "1 x2");
-  EXPECT_EQ(fused(one_loop, 5), "1 x3");  // 40 items
-  EXPECT_EQ(fused(one_loop, 8), "1 x4");  // 64
-  EXPECT_FALSE(cuda::expert_major_launch(one_loop, 8).staged_down);
-  EXPECT_EQ(fused(one_loop, 9), "0 x1");  // past 8 tokens
-  one_loop.top_k = 16;  // 128 items at 8 tokens, 129 with a shared expert
-  EXPECT_EQ(fused(one_loop, 8), "1 x8");
-  one_loop.has_shared = true;
-  EXPECT_EQ(fused(one_loop, 8), "0 x1");
-  one_loop.has_shared = false, one_loop.staged = 1;
-  EXPECT_EQ(fused(one_loop, 8), "0 x1");
-  one_loop.staged = 0;  // forbidding staging leaves it
-  EXPECT_EQ(fused(one_loop, 8), "1 x8");
-  one_loop.hidden = 2128;  // 133 blocks of H
-  EXPECT_EQ(fused(one_loop, 8), "0 x1");
+  EXPECT_EQ(fused(staged, 8), "0 x1");
+  staged.staged = 0;  // forbidden: the down would be split-K anyway
+  EXPECT_EQ(fused(staged, 8), "1 x4");
 }
 
 // What each N launches on the real shapes (132 SMs, the H200's), as the bench reports it.
 TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
-  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
+  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768; downs in NVFP4 tiles
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
+  qwen.down_path = cuda::kPathNvfp4Tiled;
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
     // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes;
@@ -993,16 +993,18 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
     return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
                        kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0));
   };
-  // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM)
+  // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM),
+  // up to 128 items (16 tokens)
   EXPECT_EQ(choice(qwen, 1), "8 8 sb");
   EXPECT_EQ(choice(qwen, 2), "8 16 sb");
-  EXPECT_EQ(choice(qwen, 4), "8 32 sb");  // 32 items: two rounds of 16 warps
-  EXPECT_EQ(choice(qwen, 8), "8 64 sS");  // gate_up: 12 x 64 blocks < 8 x 132; down: 32 x 64 past it
-  cuda::DevLayer one_loop = qwen;  // as uploaded: every down in NVFP4 tiles, one K loop
-  one_loop.down_path = cuda::kPathNvfp4Tiled;
-  EXPECT_EQ(choice(one_loop, 5), "8 40 sb");  // past two rounds: the rolled fused down, not the row pairs
-  EXPECT_EQ(choice(one_loop, 8), "8 64 sb");  // and in place of the staged down
-  EXPECT_EQ(choice(one_loop, 9), "8 72 sS");  // past 8 tokens
+  EXPECT_EQ(choice(qwen, 4), "8 32 sb");
+  EXPECT_EQ(choice(qwen, 8), "8 64 sb");  // gate_up: 12 x 64 blocks < 8 x 132
+  EXPECT_EQ(choice(qwen, 16), "8 128 Sb");  // gate_up staged: 12 x 128 blocks
+  EXPECT_EQ(choice(qwen, 17), "8 136 SS");
+  cuda::DevLayer mixed = qwen;  // the experts' downs in different K loops: the down kernels past 16 items
+  mixed.down_path = cuda::kPathAny;
+  EXPECT_EQ(choice(mixed, 4), "8 32 sp");
+  EXPECT_EQ(choice(mixed, 8), "8 64 sS");  // down: 32 x 64 blocks past 8 x 132
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
@@ -1036,7 +1038,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
-  next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 3-8: 33-88 items
+  next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 2-11: 22-121 items
   EXPECT_EQ(choice(next, 3), "8 33 sb");
   EXPECT_EQ(choice(next, 8), "8 88 sb");
   EXPECT_EQ(choice(next, 16), "8 176 SS");

@@ -1063,58 +1063,47 @@ __device__ __forceinline__ void write_blended(const DevLayer& L, const float* x,
 
 // Grid: 16-row tiles of H. Block: the call's items (max_items) x kWays warps, at most 16, for a
 // call of a few tokens (ExpertMajorLaunch::down_blend_ways): warps kWays g .. kWays g + kWays - 1
-// split K of item g's down over the block's rows (kRounds 2, one warp per item: items g and
-// g + 16, the second after a block barrier), and add each token column's sums, times the blend's
-// weight of its route, into their own shared row sums of the column's token (add_blended). The
-// block then adds the warps' sums and writes the tokens' outputs (write_blended): no expert_out,
-// no blend kernel. NVFP4 loops load two chunks ahead (122-128 registers, no spills). On the H200
-// against down and blend kernels: qwen3-30b-a3b N = 1 1.13x per call, N = 2 1.14-1.16x, N = 3-4
-// (two rounds) 1.09-1.13x; qwen3-next-80b-a3b N = 1 1.19x, N = 2 (two rounds) 1.08-1.09x; two
-// ahead 1.01-1.02x more than one (docs/PERF.md, v3.21-v3.22). Two rounds as a rolled loop, the
-// K loop chosen per item, spilled 2 KB: moe_expert_down_blend_rolled fixes the loop instead.
-template <int kWays, int kRounds = 1>
+// split K of item g's down over the block's rows, and add each token column's sums, times the
+// blend's weight of its route, into their own shared row sums of the column's token
+// (add_blended). The block then adds the warps' sums and writes the tokens' outputs
+// (write_blended): no expert_out, no blend kernel. NVFP4 loops load two chunks ahead (122-123
+// registers, no spills). On the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x
+// per call, N = 2 1.14-1.16x; qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one
+// (docs/PERF.md, v3.21). More items: moe_expert_down_blend_rolled.
+template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
   __shared__ __align__(16) uint2 entries[kGroups][kExpertWords];
   __shared__ BlendRowSums row_sums[kDownBlendWarps];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = warp / kWays, way = warp % kWays;
   const int in_group = threadIdx.x - g * kWays * kWarp;
   const int row0 = blockIdx.x * kRows;
-  const int groups = blockDim.x / (kWays * kWarp);
-  const int items = *ws.num_items;
-#pragma unroll
-  for (int round = 0; round < kRounds; ++round) {  // items g, g + groups, ...
-    const int slot = g + round * groups;
-    // The item's load goes out beside the count's (read_item); slots past the count hold stale
-    // items, not used.
-    const int4 item = ws.items[slot];
-    const bool active = slot < items;
-    // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
-    // beside the expert's table entry; the weight is not needed until after the MMAs.
-    int routes[1] = {active ? ws.route_list[item.y + (gid < item.z ? gid : 0)] : 0};
-    const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
-    if (round > 0) __syncthreads();  // the last round's table entries are read no more
-    if (active) copy_expert_word(L, item.x, in_group, entries[g]);
-    if (round == 0) {
-      for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
-    }
-    __syncthreads();
-    if (active) {
-      const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
-      float acc[1][1][4] = {};
-      item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
-                                                                         acc);
-      add_blended(L, n, ex, row0, way == 0, acc[0][0], routes[0], weight, item.z, row_sums[warp]);
-      if (kRounds > 1) __syncwarp();  // this round's adds before the next round's
-    }
+  // The item's load goes out beside the count's (read_item); slots past the count hold stale
+  // items, not used.
+  const int4 item = ws.items[g];
+  const bool active = g < *ws.num_items;
+  // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
+  // beside the expert's table entry; the weight is not needed until after the MMAs.
+  int routes[1] = {0};
+  if (active) split_routes(ws, item, routes);
+  const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
+  if (active) copy_expert_word(L, item.x, in_group, entries[g]);
+  for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
+  __syncthreads();
+  if (active) {
+    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[g]);
+    float acc[1][1][4] = {};
+    item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
+                                                                       acc);
+    add_blended(L, n, ex, row0, way == 0, acc[0][0], routes[0], weight, item.z, row_sums[warp]);
   }
   __syncthreads();
   write_blended(L, x, n, ws, out, row_sums, blockDim.x / kWarp, row0);
 }
 
-// The fused down and blend past two rounds (ExpertMajorLaunch::down_blend_rounds > 2, up to
+// The fused down and blend past 16 items (ExpertMajorLaunch::down_blend_rounds > 1, up to
 // kExpertMajorDownBlendMaxItems items). Grid: 16-row tiles of H; block: 16 warps, warp w running
 // items w, w + 16, ... one after the other in a rolled loop, each over the whole K, on the one K
 // loop every expert's down takes (kPath: DevLayer::down_path), so that the loop holds one
@@ -1368,11 +1357,7 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     const int warps = call.max_items * call.down_blend_ways;
     const dim3 block((warps < kDownBlendWarps ? warps : kDownBlendWarps) * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
-    if (call.down_blend_rounds == 2) {
-      moe_expert_down_blend<1, 2><<<grid, block, 0, stream>>>(L, x, n, ws, out);
-      return cudaGetLastError();
-    }
-    if (call.down_blend_rounds > 2) {  // one K loop for every expert's down (L.down_path >= 0: the rule)
+    if (call.down_blend_rounds > 1) {  // one K loop for every expert's down (L.down_path >= 0: the rule)
       const auto rolled = [&]<int kPath>() {
         moe_expert_down_blend_rolled<kPath><<<grid, block, 0, stream>>>(L, x, n, ws, call.max_items, out);
       };

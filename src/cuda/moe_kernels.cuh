@@ -342,23 +342,23 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
 
 // moe_expert_down_blend: a call's down and blend in one kernel, one block per 16 rows of H, each
 // running all of the call's items, `ways` warps splitting K for each (at most this many warps in
-// all, and calls of at most this many tokens). Past two rounds of 16 warps, one warp per item in
-// a rolled loop (moe_expert_down_blend_rolled), up to kExpertMajorDownBlendMaxItems items.
+// all, and calls of at most this many tokens). Past 16 items, one warp per item in a rolled loop
+// (moe_expert_down_blend_rolled), up to kExpertMajorDownBlendMaxItems items.
 inline constexpr int kExpertMajorDownBlendWarps = 16;
-inline constexpr int kExpertMajorDownBlendTokens = 8;
+inline constexpr int kExpertMajorDownBlendTokens = 16;
 inline constexpr int kExpertMajorDownBlendMaxItems = 8 * kExpertMajorDownBlendWarps;
 
-// The warps per item of a call's fused down and blend (moe_expert_down_blend), or 0 where the call
-// runs a down kernel, then the blend: calls of up to 8 tokens at one token tile whose H / 16
-// blocks, one per SM, fit one wave, and
-// - whose items fit two rounds of 16 warps and whose down is split-K (4, 2 or 1 warps per item:
-//   up to 4, 8 or 16 items in one round; 17-32 items one warp each in two);
+// The warps per item of a call's fused down and blend, or 0 where the call runs a down kernel,
+// then the blend: calls of up to 16 tokens at one token tile whose H / 16 blocks, one per SM, fit
+// one wave, and
+// - whose items fit 16 warps and whose down is split-K (4, 2 or 1 warps per item: up to 4, 8 or
+//   16 items; moe_expert_down_blend);
 // - or, whatever down they would run otherwise, whose items fit kExpertMajorDownBlendMaxItems,
 //   one warp each, where every expert's down takes the same K loop (DevLayer::down_path: the
-//   rolled kernel holds one) and staging is not forced.
+//   rolled kernel holds one) and staging is not forced (moe_expert_down_blend_rolled).
 inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_down, int group, int max_items) {
   if (n > kExpertMajorDownBlendTokens || group != 8 || max_items < 1 || L.hidden / 16 > L.sm_count) return 0;
-  if (max_items > 2 * kExpertMajorDownBlendWarps) {
+  if (max_items > kExpertMajorDownBlendWarps) {
     return max_items <= kExpertMajorDownBlendMaxItems && L.down_path >= 0 && L.staged != 1 ? 1 : 0;
   }
   if (staged_down) return 0;
@@ -369,8 +369,7 @@ inline int expert_major_down_blend_ways(const DevLayer& L, int n, bool staged_do
 }
 
 // The items each warp of a fused down and blend runs in turn: one per 16 items at one warp per
-// item (two: the second after a block barrier, with its own table entry; more: the rolled
-// kernel), else 1.
+// item (past 16 items: the rolled kernel), else 1.
 inline int expert_major_down_blend_rounds(int ways, int max_items) {
   return ways == 1 ? (max_items + kExpertMajorDownBlendWarps - 1) / kExpertMajorDownBlendWarps : 1;
 }
