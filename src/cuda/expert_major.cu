@@ -1069,7 +1069,8 @@ __device__ __forceinline__ void write_blended(const DevLayer& L, const float* x,
 // (write_blended): no expert_out, no blend kernel. NVFP4 loops load two chunks ahead (122-123
 // registers, no spills). On the H200 against down and blend kernels: qwen3-30b-a3b N = 1 1.13x
 // per call, N = 2 1.14-1.16x; qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one
-// (docs/PERF.md, v3.21). More items: moe_expert_down_blend_rolled.
+// (docs/PERF.md, v3.21). More items: moe_expert_down_blend_rolled (a warp running two items in
+// a loop whose K loop is chosen per item spilled 2 KB).
 template <int kWays>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
@@ -1111,7 +1112,10 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
 // its items into shared memory, every load issued before the first is stored, so that no round
 // waits on the item tables before its weight loads; the blend weights load at the top of each
 // round and are read after its MMAs. Sums and outputs as moe_expert_down_blend's: each warp adds
-// its items' sums in item order, the block the warps' in warp order.
+// its items' sums in item order, the block the warps' in warp order. 80-128 registers, no spills.
+// On the H200 against the down kernels and the blend (docs/PERF.md, v3.22): qwen3-30b-a3b
+// N = 3-4 1.09-1.13x per call, N = 5-8 1.05-1.09x, N = 12-16 1.02-1.06x; qwen3-next-80b-a3b
+// N = 2 1.08-1.09x, N = 3-8 1.05-1.12x; against two unrolled rounds at 17-32 items 1.00x.
 template <int kPath>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend_rolled(DevLayer L, const float* x, int n, DevWorkspace ws, int max_items, float* out) {
