@@ -9,9 +9,9 @@
 //   rows over the whole K; the item's activations copied once per block into shared memory, so
 //   L2 carries a quarter of the activation traffic and each warp streams 4x longer.
 // A call of one token may also select its experts in the gate_up kernel (no route kernel before
-// it: moe_expert_gate_up_select), and one of up to 8 tokens blend in the down kernel (no blend
-// kernel after it: one block per 16 rows of H runs every item, moe_expert_down_blend), where
-// ExpertMajorLaunch says so.
+// it: moe_expert_gate_up_select), and one of up to 16 tokens blend in the down kernel (no blend
+// kernel after it: one block per 16 rows of H runs every item, moe_expert_down_blend, or past
+// 16 items moe_expert_down_blend_rolled), where ExpertMajorLaunch says so.
 //
 // Operand layout. The weights are the MMA's A operand (16 rows x 16 k per MMA), the tokens its
 // B operand (16 k x 8 tokens). The four lanes of a quad (lane % 4 = c) each own a contiguous run

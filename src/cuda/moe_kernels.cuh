@@ -410,7 +410,11 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   c.max_items = expert_major_max_items(routes, experts, c.group);
   c.staged_gate_up = expert_major_staged(L.staged, c.group, L.act_stride, L.hidden, c.max_items, L.sm_count);
-  c.staged_down = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
+  // A fused down and blend runs in place of the down the call would otherwise run, staged or not.
+  const bool down_stages = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
+  c.down_blend_ways = expert_major_down_blend_ways(L, n, down_stages, c.group, c.max_items);
+  c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
+  c.staged_down = down_stages && c.down_blend_ways == 0;
   c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   // Scale tiles already bring a warp's codes in one coalesced load per chunk.
@@ -422,12 +426,6 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
-  c.down_blend_ways = expert_major_down_blend_ways(L, n, c.staged_down, c.group, c.max_items);
-  c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
-  if (c.down_blend_ways > 0) {  // in place of a staged down (the rolled kernel's calls)
-    c.staged_down = c.down_sliced = c.down_copies_scales = false;
-    c.down_passes = c.down_ahead = 1;
-  }
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   return c;
