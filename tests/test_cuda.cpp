@@ -552,6 +552,61 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
   EXPECT_EQ(rolled, 4 * 6 * 3);
 }
 
+// The split-K gate_up of 32 rows per block (moe_expert_gate_up_wide, where the 16-row grid holds 8
+// blocks per SM: here with staging forbidden, so that the GEMMs are split-K) on every format and
+// layout: NVFP4 tiled and row-major, FP8 block and per-channel, BF16; K = 256 and K = 272 (a
+// 16-column tail that the two ways split); a shared expert of 496 rows, whose last 32-row block
+// has rows for its first 16 only. Each call matches the reference, the same call forced staged
+// within bf16 rounding, and itself bit for bit on a second run.
+TEST_F(Cuda, WideGateUpMatchesOnEveryFormat) {
+  const std::vector<std::pair<Family, FamilyShape>> shapes = {
+      {Family::kQwen3Next, {.hidden = 256, .intermediate = 512, .num_experts = 64, .top_k = 8, .shared_intermediate = 496}},
+      {Family::kQwen3Moe, {.hidden = 272, .intermediate = 256, .num_experts = 64, .top_k = 8}},
+  };
+  const std::vector<QuantSpec> specs = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                        QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}};
+  int wide = 0;
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    const int64_t h = d.hidden;
+    for (const QuantSpec& spec : specs) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 37));
+      for (const bool tiles : {true, false}) {
+        if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
+        for (const int64_t n : {16, 32}) {
+          const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 50);
+          std::vector<float> expected(tokens.size());
+          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+          DeviceArray<float> x(tokens.size()), out(tokens.size());
+          x.put(tokens);
+          std::vector<std::vector<float>> got;
+          std::string config;
+          for (const bool staged : {false, false, true}) {
+            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+                layer, n,
+                CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged, .weight_tiles = tiles}));
+            out.poison();
+            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            got.push_back(out.get());
+            if (got.size() == 1) config = moe->call_config(n);
+            ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); }))
+                << describe_shape(d) << ", " << quant_spec_name(spec) << ", n " << n << ", staged " << staged;
+          }
+          const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
+                                               tiles ? "tiles" : "row-major", n, config);
+          EXPECT_NE(config.find("gate_up split-K (32 rows)"), std::string::npos) << what;
+          EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
+          EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
+          EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
+          ++wide;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(wide, 2 * 5 * 2);
+}
+
 // NVFP4 block scales are signed E4M3: negative ones (their codes' signs flipped, so the values stay)
 // and zero ones over nonzero codes (those blocks' values become zero) in every expert matrix and
 // the shared expert's. The upload folds both (cuda/nvfp4_scale_fold.h) so that the expert-major
@@ -990,21 +1045,22 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
     const auto kernel = [](bool staged, bool sliced, int passes, bool pairs = false, bool blends = false) {
       return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : (blends ? "b" : pairs ? "p" : "s"));
     };
-    return fmt::format("{} {} {}{}", c.group, c.max_items, kernel(c.staged_gate_up, c.gate_up_sliced, 1),
+    const std::string gate_up = c.gate_up_wide ? "w" : kernel(c.staged_gate_up, c.gate_up_sliced, 1);
+    return fmt::format("{} {} {}{}", c.group, c.max_items, gate_up,
                        kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0));
   };
   // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM),
   // up to 128 items (16 tokens)
   EXPECT_EQ(choice(qwen, 1), "8 8 sb");
   EXPECT_EQ(choice(qwen, 2), "8 16 sb");
-  EXPECT_EQ(choice(qwen, 4), "8 32 sb");
-  EXPECT_EQ(choice(qwen, 8), "8 64 sb");  // gate_up: 12 x 64 blocks < 8 x 132
+  EXPECT_EQ(choice(qwen, 4), "8 32 wb");  // gate_up: 48 x 32 blocks of 16 rows past 8 x 132
+  EXPECT_EQ(choice(qwen, 8), "8 64 wb");  // gate_up: 12 x 64 staged blocks < 8 x 132
   EXPECT_EQ(choice(qwen, 16), "8 128 Sb");  // gate_up staged: 12 x 128 blocks
   EXPECT_EQ(choice(qwen, 17), "8 136 SS");
   cuda::DevLayer mixed = qwen;  // the experts' downs in different K loops: the down kernels past 16 items
   mixed.down_path = cuda::kPathAny;
-  EXPECT_EQ(choice(mixed, 4), "8 32 sp");
-  EXPECT_EQ(choice(mixed, 8), "8 64 sS");  // down: 32 x 64 blocks past 8 x 132
+  EXPECT_EQ(choice(mixed, 4), "8 32 wp");
+  EXPECT_EQ(choice(mixed, 8), "8 64 wS");  // down: 32 x 64 blocks past 8 x 132
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
@@ -1016,7 +1072,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
-  EXPECT_EQ(choice(forced_off, 64), "8 193 sp");
+  EXPECT_EQ(choice(forced_off, 64), "8 193 wp");
   EXPECT_EQ(choice(forced_off, 256), "32 193 ss");
   const auto passes_forced = [](cuda::DevLayer L, int passes) {
     L.staged_passes = static_cast<int8_t>(passes);
@@ -1039,8 +1095,8 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
   next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 2-11: 22-121 items
-  EXPECT_EQ(choice(next, 3), "8 33 sb");
-  EXPECT_EQ(choice(next, 8), "8 88 sb");
+  EXPECT_EQ(choice(next, 3), "8 33 wb");
+  EXPECT_EQ(choice(next, 8), "8 88 wb");
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   next.down_path = cuda::kPathAny;
   EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
@@ -1056,17 +1112,17 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
-  EXPECT_EQ(choice(ds, 1), "8 9 sp");   // down: 448 blocks of H, past one per SM: no fused blend
-  EXPECT_EQ(choice(ds, 2), "8 18 sp");  // down: 112 x 18 blocks, but under 32 items
+  EXPECT_EQ(choice(ds, 1), "8 9 wp");   // down: 448 blocks of H, past one per SM: no fused blend
+  EXPECT_EQ(choice(ds, 2), "8 18 wp");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
   // blocks, two at 56 x 72 (N = 8) and up, where it does not copy NVFP4 scale codes, which it does
   // only in a layer with NVFP4 experts (and so makes no four passes)
-  EXPECT_EQ(choice(ds, 4), "8 36 sS");
-  EXPECT_EQ(choice(ds, 8), "8 72 s2");
-  EXPECT_EQ(choice(ds, 256), "8 546 s2");
+  EXPECT_EQ(choice(ds, 4), "8 36 wS");
+  EXPECT_EQ(choice(ds, 8), "8 72 w2");
+  EXPECT_EQ(choice(ds, 256), "8 546 w2");
   ds.nvfp4 = true;
-  EXPECT_EQ(choice(ds, 4), "8 36 sS");
-  EXPECT_EQ(choice(ds, 256), "8 546 sS");
+  EXPECT_EQ(choice(ds, 4), "8 36 wS");
+  EXPECT_EQ(choice(ds, 256), "8 546 wS");
   EXPECT_EQ(choice(ds, 257), "32 330 ss");  // 16 routes per expert only where both stage whole
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;

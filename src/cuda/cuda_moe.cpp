@@ -229,6 +229,7 @@ std::string CudaMoe::call_config(int64_t n) const {
   };
   const std::string gate_up = call.staged_gate_up   ? staged(call.gate_up_sliced, 1, call.gate_up_ahead)
                               : call.gate_up_selects ? std::string("split-K (selects)")
+                              : call.gate_up_wide    ? std::string("split-K (32 rows)")
                                                      : std::string("split-K");
   std::string down = "split-K";
   if (call.staged_down) {

@@ -956,6 +956,38 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_exper
   run_item<true, kTiles, true>(L, n, ws, ex, item, row0, routes);
 }
 
+// Grid: (32-row tiles of the widest intermediate, max work items), one token tile, where
+// ExpertMajorLaunch::gate_up_wide says so. Block: 4 warps, warps 2t and 2t + 1 splitting K over
+// rows 32 bx + 16 t .. + 15 (item_sums' kSplitWays 2): half the blocks of moe_expert_gate_up<1>,
+// each warp streaming twice the chunks. The two ways' sums meet in shared memory and way 0 adds
+// them (way 0's, then way 1's) and stores. An expert whose rows end 16 into the block's 32 leaves
+// the second pair without rows: it computes nothing and stores nothing, but reaches the barrier.
+__global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_wide(DevLayer L, int n, DevWorkspace ws) {
+  __shared__ float partial[kWarps][8][kWarp];
+  int4 item;
+  if (!read_item(ws, item)) return;
+  int routes[1];
+  split_routes(ws, item, routes);
+  const DevExpert& ex = block_expert(L, item.x);
+  const int block_row0 = blockIdx.x * 2 * kRows;
+  if (block_row0 >= ex.gate.rows) return;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int row0 = block_row0 + warp / 2 * kRows;
+  const bool has_rows = row0 < ex.gate.rows;
+  float acc[1][2][4] = {};
+  if (has_rows) {
+    item_sums<true, 1, true, false, false, kPathAny, 1, false, 2>(L, n, ws, ex, item, row0, routes, nullptr, true, acc);
+  }
+#pragma unroll
+  for (int v = 0; v < 8; ++v) partial[warp][v][lane] = acc[0][v / 4][v % 4];
+  __syncthreads();
+  if (warp % 2 != 0 || !has_rows) return;
+  float sum[8];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) sum[v] = partial[warp][v][lane] + partial[warp + 1][v][lane];
+  store_tile<true, 2, true>(L, n, ws, ex, item, row0, 0, sum, routes[0]);
+}
+
 // Grid: (16-row tiles of the widest intermediate, the call's routes), for a call of one token
 // whose selection fits one warp (ExpertMajorLaunch::gate_up_selects): no route kernel runs. Warp 0
 // of every block selects from the router's logits (route_token_warp; dynamic shared memory: E + Z
@@ -1326,6 +1358,10 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     } else {
       moe_expert_gate_up_select<8><<<grid, kWarps * kWarp, keys, stream>>>(L, ws);
     }
+    return cudaGetLastError();
+  }
+  if (gate_up && call.gate_up_wide) {  // act_stride % 32 == 0 (expert_major_gate_up_wide)
+    moe_expert_gate_up_wide<<<dim3(L.act_stride / (2 * kRows), max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
     return cudaGetLastError();
   }
   return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, L, n, ws, max_items, stream)

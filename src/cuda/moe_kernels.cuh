@@ -324,6 +324,18 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
   return !staged_down && group == 8 && hidden % 32 == 0;
 }
 
+// Whether a split-K gate_up of one token tile runs 32 rows per block, two warps splitting K over
+// each 16 (moe_expert_gate_up_wide): half the blocks of 16 rows, each warp streaming twice the
+// chunks, so that each block's prologue (item, table entry, routes) and epilogue carry twice the
+// bytes. Where the 16-row grid holds at least 8 blocks per SM, so that the 32-row one still fills
+// 4 per SM; the layer's rows whole 32-row tiles.
+inline constexpr int kExpertMajorGateUpWideFromBlocksPerSm = 8;
+inline bool expert_major_gate_up_wide(const DevLayer& L, bool staged_gate_up, bool selects, int group, int max_items) {
+  const int64_t blocks = static_cast<int64_t>((L.act_stride + 15) / 16) * max_items;
+  return !staged_gate_up && !selects && group == 8 && L.act_stride % 32 == 0 &&
+         blocks >= int64_t{kExpertMajorGateUpWideFromBlocksPerSm} * L.sm_count;
+}
+
 // Whether a call's gate_up kernel selects the experts itself, each block from the router's logits,
 // instead of a route kernel before it (moe_expert_gate_up_select): calls of one token whose gate_up
 // is split-K at one token tile, whose selection fits one warp in 8 registers per lane (up to 256
@@ -401,6 +413,7 @@ struct ExpertMajorLaunch {
   bool gate_up_selects = false;  // no route kernel: the gate_up kernel selects (moe_expert_gate_up_select)
   int down_blend_ways = 0;  // > 0: down and blend in one kernel, this many warps per item (moe_expert_down_blend)
   int down_blend_rounds = 1;  // the fused down's items per warp, one after the other
+  bool gate_up_wide = false;  // split-K gate_up of 32 rows per block (moe_expert_gate_up_wide)
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -428,6 +441,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
+  c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
   return c;
 }
 
