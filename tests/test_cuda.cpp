@@ -552,7 +552,7 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
   EXPECT_EQ(rolled, 4 * 6 * 3);
 }
 
-// The split-K gate_up of 32 rows per block (moe_expert_gate_up_wide, where the 16-row grid holds 8
+// The split-K gate_up of 32 rows per block (moe_expert_gate_up_wide, where the 16-row grid holds 20
 // blocks per SM: here with staging forbidden, so that the GEMMs are split-K) on every format and
 // layout: NVFP4 tiled and row-major, FP8 block and per-channel, BF16; K = 256 and K = 272 (a
 // 16-column tail that the two ways split); a shared expert of 496 rows, whose last 32-row block
@@ -560,8 +560,8 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
 // within bf16 rounding, and itself bit for bit on a second run.
 TEST_F(Cuda, WideGateUpMatchesOnEveryFormat) {
   const std::vector<std::pair<Family, FamilyShape>> shapes = {
-      {Family::kQwen3Next, {.hidden = 256, .intermediate = 512, .num_experts = 64, .top_k = 8, .shared_intermediate = 496}},
-      {Family::kQwen3Moe, {.hidden = 272, .intermediate = 256, .num_experts = 64, .top_k = 8}},
+      {Family::kQwen3Next, {.hidden = 256, .intermediate = 512, .num_experts = 128, .top_k = 8, .shared_intermediate = 496}},
+      {Family::kQwen3Moe, {.hidden = 272, .intermediate = 512, .num_experts = 256, .top_k = 8}},
   };
   const std::vector<QuantSpec> specs = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                         QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}};
@@ -1053,13 +1053,13 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // up to 128 items (16 tokens)
   EXPECT_EQ(choice(qwen, 1), "8 8 sb");
   EXPECT_EQ(choice(qwen, 2), "8 16 sb");
-  EXPECT_EQ(choice(qwen, 4), "8 32 wb");  // gate_up: 48 x 32 blocks of 16 rows past 8 x 132
+  EXPECT_EQ(choice(qwen, 4), "8 32 sb");  // gate_up: 48 x 32 blocks of 16 rows under 20 x 132
   EXPECT_EQ(choice(qwen, 8), "8 64 wb");  // gate_up: 12 x 64 staged blocks < 8 x 132
   EXPECT_EQ(choice(qwen, 16), "8 128 Sb");  // gate_up staged: 12 x 128 blocks
   EXPECT_EQ(choice(qwen, 17), "8 136 SS");
   cuda::DevLayer mixed = qwen;  // the experts' downs in different K loops: the down kernels past 16 items
   mixed.down_path = cuda::kPathAny;
-  EXPECT_EQ(choice(mixed, 4), "8 32 wp");
+  EXPECT_EQ(choice(mixed, 4), "8 32 sp");
   EXPECT_EQ(choice(mixed, 8), "8 64 wS");  // down: 32 x 64 blocks past 8 x 132
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
@@ -1095,7 +1095,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   next.sm_count = 132;
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
   next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 2-11: 22-121 items
-  EXPECT_EQ(choice(next, 3), "8 33 wb");
+  EXPECT_EQ(choice(next, 3), "8 33 sb");
   EXPECT_EQ(choice(next, 8), "8 88 wb");
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   next.down_path = cuda::kPathAny;
@@ -1112,8 +1112,8 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // staged in slices), unless forced.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
-  EXPECT_EQ(choice(ds, 1), "8 9 wp");   // down: 448 blocks of H, past one per SM: no fused blend
-  EXPECT_EQ(choice(ds, 2), "8 18 wp");  // down: 112 x 18 blocks, but under 32 items
+  EXPECT_EQ(choice(ds, 1), "8 9 sp");   // down: 448 blocks of H, past one per SM: no fused blend
+  EXPECT_EQ(choice(ds, 2), "8 18 sp");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
   // blocks, two at 56 x 72 (N = 8) and up, where it does not copy NVFP4 scale codes, which it does
   // only in a layer with NVFP4 experts (and so makes no four passes)
