@@ -330,7 +330,8 @@ inline bool expert_major_down_pairs(bool staged_down, int group, int hidden) {
 // bytes. Where the 16-row grid holds at least 20 blocks per SM, so that the 32-row one is at least
 // 2.5 waves of 4 per SM; the layer's rows whole 32-row tiles. From 8 per SM it measured 0.94x at
 // DeepSeek-V3 N = 1 (1.09 waves) and 0.99x at the Qwen shapes' N = 4 (1.3-1.5 waves), 1.02-1.09x
-// from 2.9 waves (docs/PERF.md, v3.22, call 5).
+// from 2.9 waves (docs/PERF.md, v3.22, call 5). From 20 per SM: qwen3 N = 8 1.04x, DeepSeek-V3
+// N = 8, 16, 64 1.01x, 1.02x, 1.04x, 1.00x where it is not chosen (v3.23, call 1).
 inline constexpr int kExpertMajorGateUpWideFromBlocksPerSm = 20;
 inline bool expert_major_gate_up_wide(const DevLayer& L, bool staged_gate_up, bool selects, int group, int max_items) {
   const int64_t blocks = static_cast<int64_t>((L.act_stride + 15) / 16) * max_items;
