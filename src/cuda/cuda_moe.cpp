@@ -205,14 +205,17 @@ CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoe::~CudaMoe() = default;
 std::string CudaMoe::call_config(int64_t n) const {
   const cuda::DevLayer& L = impl_->dev;
-  // The router's kernel: on the tensor cores (with its tokens per block) or the CUDA cores (FMA).
+  // The router's kernel: on the tensor cores (with its tokens per block) or the CUDA cores (FMA;
+  // 16 rows per block, or 2 with their tokens per block).
+  const int rows = L.router_outputs + (L.shared_gate ? 1 : 0), calls = static_cast<int>(n);
   const std::string router =
-      cuda::router_uses_mma(L, static_cast<int>(n))
+      cuda::router_uses_mma(L, calls)
           ? fmt::format("router mma ({} tokens/block)",
-                        8 * cuda::router_mma_tiles(static_cast<int>(n),
-                                                   cuda::router_mma_row_groups(L.router_outputs, L.shared_gate),
+                        8 * cuda::router_mma_tiles(calls, cuda::router_mma_row_groups(L.router_outputs, L.shared_gate),
                                                    cuda::router_mma_slices(L.hidden), L.sm_count))
-          : std::string("router fma");
+      : cuda::router_logits_wide(rows, L.router.cols, calls, L.sm_count)
+          ? std::string("router fma (16 rows/block)")
+          : fmt::format("router fma ({} tokens/block)", cuda::router_logits_tokens(rows, calls, L.sm_count));
   // The experts' layout: the upload's, the same for every call.
   const int tiled = impl_->tiled_matrices, all = impl_->expert_matrices;
   const std::string layout = tiled == 0     ? std::string("row-major weights")

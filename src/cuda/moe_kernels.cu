@@ -203,11 +203,12 @@ __device__ float block_sum(float v) {
 
 constexpr int kRouteThreads = 256;
 
-// The tokens of a router block (kRouterTokens from t0 = 8 blockIdx.y, fewer in the last); the
+// The tokens of a router block (kTokens from t0 = kTokens blockIdx.y, fewer in the last); the
 // row of blocks (blockIdx.y) also writes their bf16 copy of x for the expert-major path.
+template <int kTokens = kRouterTokens>
 __device__ __forceinline__ int router_block_tokens(const DevLayer& L, const float* x, int n, const DevWorkspace& ws) {
-  const int t0 = blockIdx.y * kRouterTokens;
-  const int tokens = n - t0 < kRouterTokens ? n - t0 : kRouterTokens;
+  const int t0 = blockIdx.y * kTokens;
+  const int tokens = n - t0 < kTokens ? n - t0 : kTokens;
   const int64_t H = L.hidden;
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tokens * H; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     ws.x_bf16[t0 * H + i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[t0 * H + i]));
@@ -215,33 +216,34 @@ __device__ __forceinline__ int router_block_tokens(const DevLayer& L, const floa
   return tokens;
 }
 
-// Grid: (ceil((E + Z + shared gate) / 2), ceil(n / 8)). Block: 8 warps on 2 router rows (the
-// shared expert's gate vector is one more row), 4 warps splitting each row's columns, for 8
-// tokens at once: the router is read once per 8 tokens, by many blocks with few loads each, so
-// the reads are in flight together rather than one after another. The blocks also write
-// expert-major's bf16 copy of x.
+// Grid: (ceil((E + Z + shared gate) / 2), ceil(n / kTokens)). Block: 8 warps on 2 router rows
+// (the shared expert's gate vector is one more row), 4 warps splitting each row's columns, for
+// kTokens tokens at once (router_logits_tokens: 8, fewer where the grid would be small): the
+// router is read once per kTokens tokens, by many blocks with few loads each, so the reads are in
+// flight together rather than one after another. The blocks also write expert-major's bf16 copy
+// of x.
 constexpr int kRouterWarps = 8;
-constexpr int kRouterRows = 2;
 constexpr int kRouterParts = kRouterWarps / kRouterRows;
+template <int kTokens>
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
-  __shared__ float partial[kRouterWarps][kRouterTokens];
+  __shared__ float partial[kRouterWarps][kTokens];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int t0 = blockIdx.y * kRouterTokens;
-  const int tokens = router_block_tokens(L, x, n, ws);
+  const int t0 = blockIdx.y * kTokens;
+  const int tokens = router_block_tokens<kTokens>(L, x, n, ws);
   const int64_t H = L.hidden;
 
   const int part = warp / kRouterRows;
   const int e = blockIdx.x * kRouterRows + warp % kRouterRows;
   const bool gate_row = e == L.router_outputs && L.shared_gate;
   const float* xt = x + t0 * H;
-  float acc[kRouterTokens] = {};
+  float acc[kTokens] = {};
   if (gate_row) {
 #pragma unroll 4
     for (int c = part * kWarp + lane; c < L.hidden; c += kRouterParts * kWarp) {
       const float w = L.shared_gate_values[c];
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
+      for (int j = 0; j < kTokens; ++j) {
         if (j < tokens) acc[j] += w * xt[j * H + c];
       }
     }
@@ -251,7 +253,7 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
       float w[8];
       load_weights8(L.router, e, c, w);
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
+      for (int j = 0; j < kTokens; ++j) {
         if (j < tokens) acc[j] += dot8(w, xt + j * H + c);
       }
     }
@@ -259,13 +261,13 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
     for (int c = part * kWarp + lane; c < L.hidden; c += kRouterParts * kWarp) {
       const float w = load_weight(L.router, e, c);
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
+      for (int j = 0; j < kTokens; ++j) {
         if (j < tokens) acc[j] += w * xt[j * H + c];
       }
     }
   }
 #pragma unroll
-  for (int j = 0; j < kRouterTokens; ++j) {
+  for (int j = 0; j < kTokens; ++j) {
     const float dot = warp_sum(acc[j]);
     if (lane == 0) partial[warp][j] = dot;
   }
@@ -1145,8 +1147,17 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
     moe_router_logits_wide<<<dim3((rows + kRouterWideRows - 1) / kRouterWideRows, token_blocks), kRouterWarps * kWarp, 0,
                              stream>>>(L, x, n, ws);
   } else {
-    moe_router_logits<<<dim3((rows + kRouterRows - 1) / kRouterRows, token_blocks), kRouterWarps * kWarp, 0, stream>>>(
-        L, x, n, ws);
+    const int tokens = router_logits_tokens(rows, n, L.sm_count);
+    const dim3 grid((rows + kRouterRows - 1) / kRouterRows, (n + tokens - 1) / tokens);
+    if (tokens == 1) {
+      moe_router_logits<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    } else if (tokens == 2) {
+      moe_router_logits<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    } else if (tokens == 4) {
+      moe_router_logits<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    } else {
+      moe_router_logits<kRouterTokens><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+    }
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || !select) return err;

@@ -463,6 +463,23 @@ inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
   return cols % 8 == 0 && 2 * blocks >= int64_t{3} * sm_count;
 }
 
+// moe_router_logits' tokens per block: 8, halved (to 1 at the least) while its grid would hold
+// fewer than kRouterLogitsBlocksPerSm blocks per SM. Every block reads its rows' share of x
+// (2 rows over all columns: all of H for each of its tokens), so the x bytes through L2 are the
+// same whatever the tokens per block, and the router's own rows are read once per block instead
+// of once per 8 tokens (0.5-2 MB for the presets, from L2 after the first). What changes is how
+// many SMs pull those bytes and how long each block's chain is: at qwen3-30b N = 8, 8 tokens
+// per block are 64 blocks (half the SMs idle), each lane with 17 loads per 256 columns; 1 token
+// per block is 512 blocks, each as long as the N = 1 call's.
+inline constexpr int kRouterRows = 2;
+inline constexpr int kRouterLogitsBlocksPerSm = 4;
+inline int router_logits_tokens(int rows, int n, int sm_count) {
+  const int64_t row_blocks = (rows + kRouterRows - 1) / kRouterRows;
+  int tokens = kRouterTokens;
+  while (tokens > 1 && row_blocks * ((n + tokens - 1) / tokens) < int64_t{kRouterLogitsBlocksPerSm} * sm_count) tokens /= 2;
+  return tokens;
+}
+
 // The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
 // whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8,
 // 16 or 32 tokens (router_mma_tiles) over one slice of 256 columns of K, so the grid is (row
