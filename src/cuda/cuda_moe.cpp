@@ -387,17 +387,21 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
   });
   L.weight_tiles = impl->tiled_matrices > 0;
-  // The K loop every (owned) expert's down takes, where they agree: a fused down of many items
-  // runs one loop for all of them (expert_major_down_blend_ways).
-  std::optional<int> down_path;
-  bool downs_agree = true;
+  // The K loop every (owned) expert's down takes, and its gate and up, where they agree: a fused
+  // down of many items runs one loop for all of them (expert_major_down_blend_ways), and the
+  // split-K kernels run a build of one loop, whose fewer registers hold more blocks per SM.
+  std::optional<int> down_path, gate_up_path;
+  bool downs_agree = true, gate_ups_agree = true;
   for (const cuda::DevExpert& x : table) {
     if (x.gate.rows == 0) continue;  // another rank's expert
-    const int down = cuda::weight_path(x.down);
+    const int down = cuda::weight_path(x.down), gate = cuda::weight_path(x.gate);
     downs_agree = downs_agree && (!down_path || *down_path == down);
     down_path = down;
+    gate_ups_agree = gate_ups_agree && gate == cuda::weight_path(x.up) && (!gate_up_path || *gate_up_path == gate);
+    gate_up_path = gate;
   }
   L.down_path = static_cast<int8_t>(down_path && downs_agree ? *down_path : cuda::kPathAny);
+  L.gate_up_path = static_cast<int8_t>(gate_up_path && gate_ups_agree ? *gate_up_path : cuda::kPathAny);
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

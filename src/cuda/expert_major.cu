@@ -941,11 +941,34 @@ __device__ __forceinline__ void split_routes(const DevWorkspace& ws, int4 item, 
   }
 }
 
+// Blocks per SM that the one-tile split-K kernels are held to: 4 (128 registers) with every K
+// loop's code in them (kPathAny) or an NVFP4 loop's (which spill at 5: 96 registers), 5 with one
+// FP8 or BF16 loop's (DevLayer::gate_up_path, down_path; 78-96 registers, no spills).
+__host__ __device__ constexpr int split_blocks_per_sm(int path) {
+  return path == kPathFp8Block || path == kPathFp8 || path == kPathBf16 ? 5 : 4;
+}
+
+// Calls f.template operator()<kPath>() for a K loop that all the layer's experts take (`path`, one
+// of weight_path's values); false for kPathAny.
+template <typename F>
+bool with_path(int path, F&& f) {
+  switch (path) {
+    case kPathNvfp4Tiled: f.template operator()<kPathNvfp4Tiled>(); return true;
+    case kPathNvfp4Aligned: f.template operator()<kPathNvfp4Aligned>(); return true;
+    case kPathNvfp4: f.template operator()<kPathNvfp4>(); return true;
+    case kPathFp8Block: f.template operator()<kPathFp8Block>(); return true;
+    case kPathFp8: f.template operator()<kPathFp8>(); return true;
+    case kPathBf16: f.template operator()<kPathBf16>(); return true;
+    default: return false;
+  }
+}
+
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
 // Gate and up of the item's routes -> activation (bf16). One token tile: held to 4 blocks per SM
 // (128 registers), what it took unbound before its loop over NVFP4 tiles, which took 147 unbound.
-template <int kTiles>
-__global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
+template <int kTiles, int kPath = kPathAny>
+__global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per_sm(kPath) : 0)
+    moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
   int routes[kTiles];
@@ -953,7 +976,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_exper
   const DevExpert& ex = block_expert(L, item.x);
   const int row0 = blockIdx.x * kRows;
   if (row0 >= ex.gate.rows) return;
-  run_item<true, kTiles, true>(L, n, ws, ex, item, row0, routes);
+  run_item<true, kTiles, true, false, false, kPath>(L, n, ws, ex, item, row0, routes);
 }
 
 // Grid: (32-row tiles of the widest intermediate, max work items), one token tile, where
@@ -962,7 +985,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? 4 : 0) moe_exper
 // each warp streaming twice the chunks. The two ways' sums meet in shared memory and way 0 adds
 // them (way 0's, then way 1's) and stores. An expert whose rows end 16 into the block's 32 leaves
 // the second pair without rows: it computes nothing and stores nothing, but reaches the barrier.
-__global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_wide(DevLayer L, int n, DevWorkspace ws) {
+template <int kPath = kPathAny>
+__global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) moe_expert_gate_up_wide(DevLayer L, int n,
+                                                                                                   DevWorkspace ws) {
   __shared__ float partial[kWarps][8][kWarp];
   int4 item;
   if (!read_item(ws, item)) return;
@@ -976,7 +1001,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_wide(Dev
   const bool has_rows = row0 < ex.gate.rows;
   float acc[1][2][4] = {};
   if (has_rows) {
-    item_sums<true, 1, true, false, false, kPathAny, 1, false, 2>(L, n, ws, ex, item, row0, routes, nullptr, true, acc);
+    item_sums<true, 1, true, false, false, kPath, 1, false, 2>(L, n, ws, ex, item, row0, routes, nullptr, true, acc);
   }
 #pragma unroll
   for (int v = 0; v < 8; ++v) partial[warp][v][lane] = acc[0][v / 4][v % 4];
@@ -1035,13 +1060,15 @@ __global__ void __launch_bounds__(kWarps * kWarp) moe_expert_down(DevLayer L, in
 // moe_expert_down<1>: 93, 5). Runs for every split-K down of one token tile where H % 32 == 0
 // (ExpertMajorLaunch::down_pairs): on the H200 1.01-1.06x per call at N = 1-4, most where the
 // one-tile grid took more than one wave (qwen3-30b N = 1: 1024 blocks -> 512; docs/PERF.md, v3.20).
-__global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_down_pairs(DevLayer L, int n, DevWorkspace ws) {
+template <int kPath = kPathAny>
+__global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) moe_expert_down_pairs(DevLayer L, int n,
+                                                                                                 DevWorkspace ws) {
   int4 item;
   if (!read_item(ws, item)) return;
   int routes[1];
   split_routes(ws, item, routes);
-  run_item<false, 1, true, false, false, kPathAny, 1, true>(L, n, ws, block_expert(L, item.x), item,
-                                                             blockIdx.x * 2 * kRows, routes);
+  run_item<false, 1, true, false, false, kPath, 1, true>(L, n, ws, block_expert(L, item.x), item, blockIdx.x * 2 * kRows,
+                                                          routes);
 }
 
 // The blend's weight of a route of an n-token call: w; 1 where w scaled the input; the shared
@@ -1286,9 +1313,17 @@ template <int kTiles>
 cudaError_t launch_split(bool gate_up, bool pairs, const DevLayer& L, int n, const DevWorkspace& ws, int max_items,
                          cudaStream_t stream) {
   if (gate_up) {
-    moe_expert_gate_up<kTiles><<<dim3((L.act_stride + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+    const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
+    if (kTiles != 1 || !with_path(L.gate_up_path, [&]<int kPath>() {
+          moe_expert_gate_up<1, kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+        })) {
+      moe_expert_gate_up<kTiles><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+    }
   } else if (kTiles == 1 && pairs) {
-    moe_expert_down_pairs<<<dim3(L.hidden / (2 * kRows), max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+    const dim3 grid(L.hidden / (2 * kRows), max_items);
+    if (!with_path(L.down_path, [&]<int kPath>() { moe_expert_down_pairs<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); })) {
+      moe_expert_down_pairs<<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+    }
   } else {
     moe_expert_down<kTiles><<<dim3((L.hidden + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
   }
@@ -1361,7 +1396,12 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     return cudaGetLastError();
   }
   if (gate_up && call.gate_up_wide) {  // act_stride % 32 == 0 (expert_major_gate_up_wide)
-    moe_expert_gate_up_wide<<<dim3(L.act_stride / (2 * kRows), max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+    const dim3 grid(L.act_stride / (2 * kRows), max_items);
+    if (!with_path(L.gate_up_path, [&]<int kPath>() {
+          moe_expert_gate_up_wide<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+        })) {
+      moe_expert_gate_up_wide<<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+    }
     return cudaGetLastError();
   }
   return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, L, n, ws, max_items, stream)
@@ -1401,15 +1441,8 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
       const auto rolled = [&]<int kPath>() {
         moe_expert_down_blend_rolled<kPath><<<grid, block, 0, stream>>>(L, x, n, ws, call.max_items, out);
       };
-      switch (L.down_path) {
-        case kPathNvfp4Tiled: rolled.template operator()<kPathNvfp4Tiled>(); break;
-        case kPathNvfp4Aligned: rolled.template operator()<kPathNvfp4Aligned>(); break;
-        case kPathNvfp4: rolled.template operator()<kPathNvfp4>(); break;
-        case kPathFp8Block: rolled.template operator()<kPathFp8Block>(); break;
-        case kPathFp8: rolled.template operator()<kPathFp8>(); break;
-        case kPathBf16: rolled.template operator()<kPathBf16>(); break;
-        default: return cudaErrorInvalidValue;  // not chosen without one loop (expert_major_down_blend_ways)
-      }
+      // Not chosen without one loop (expert_major_down_blend_ways).
+      if (!with_path(L.down_path, rolled)) return cudaErrorInvalidValue;
       return cudaGetLastError();
     }
     switch (call.down_blend_ways) {

@@ -68,6 +68,7 @@ struct DevLayer {
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
+  int8_t gate_up_path = -1;   // weight_path of every expert's gate and up where all agree, else -1 (kPathAny)
   int8_t router_mma = -1;  // router logits on the tensor cores (moe_router_mma): 1 forced, 0 forbidden, -1 chosen
   int32_t router_mma_tokens = 0;  // calls of up to this many tokens may run moe_router_mma (0: none may)
   DevMatrix router;                          // [E + Z, H], bias = router bias
