@@ -1194,20 +1194,18 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_FALSE(cuda::router_logits_wide(128, 2048, 128, 132));  // 8 x 16
   EXPECT_TRUE(cuda::router_logits_wide(128, 2048, 256, 132));   // 8 x 32
   EXPECT_FALSE(cuda::router_logits_wide(513, 2044, 256, 132));  // rows not whole 8-column loads
-  // The narrow kernel's tokens per block: 8, halved while the grid is under 4 blocks per SM (528).
+  // The narrow kernel's tokens per block: 1 for one token and where the 8-token grid is under one
+  // block per SM (132), else 8.
   EXPECT_EQ(cuda::router_logits_tokens(128, 1, 132), 1);    // qwen3-30b: 64 row pairs
-  EXPECT_EQ(cuda::router_logits_tokens(128, 8, 132), 1);    // 512 blocks at 1, 64 at 8
-  EXPECT_EQ(cuda::router_logits_tokens(128, 9, 132), 1);    // 576 at 1: the least holds however large
-  EXPECT_EQ(cuda::router_logits_tokens(128, 17, 132), 2);   // 576 at 2
-  EXPECT_EQ(cuda::router_logits_tokens(128, 64, 132), 4);   // 512 at 8, 1024 at 4
-  EXPECT_EQ(cuda::router_logits_tokens(128, 72, 132), 8);   // 576 at 8
-  EXPECT_EQ(cuda::router_logits_tokens(513, 2, 132), 1);    // qwen3-next: 257 row pairs, 514 at 1
-  EXPECT_EQ(cuda::router_logits_tokens(513, 8, 132), 2);    // 1028 at 2, 514 at 4
-  EXPECT_EQ(cuda::router_logits_tokens(513, 16, 132), 4);   // 1028 at 4
-  EXPECT_EQ(cuda::router_logits_tokens(513, 32, 132), 8);   // 1028 at 8
-  EXPECT_EQ(cuda::router_logits_tokens(256, 4, 132), 1);    // DeepSeek-V3: 128 row pairs
-  EXPECT_EQ(cuda::router_logits_tokens(256, 40, 132), 8);   // 640 at 8
-  EXPECT_EQ(cuda::router_logits_tokens(128, 8, 16), 8);     // 16 SMs: 64 blocks are 4 per SM
+  EXPECT_EQ(cuda::router_logits_tokens(128, 2, 132), 1);    // 128 blocks at 1
+  EXPECT_EQ(cuda::router_logits_tokens(128, 16, 132), 1);   // 1024 at 1, 128 at 8
+  EXPECT_EQ(cuda::router_logits_tokens(128, 17, 132), 8);   // 192 at 8
+  EXPECT_EQ(cuda::router_logits_tokens(513, 1, 132), 1);    // qwen3-next: 257 row pairs
+  EXPECT_EQ(cuda::router_logits_tokens(513, 2, 132), 8);    // 257 at 8
+  EXPECT_EQ(cuda::router_logits_tokens(513, 8, 132), 8);
+  EXPECT_EQ(cuda::router_logits_tokens(256, 8, 132), 1);    // DeepSeek-V3: 128 row pairs
+  EXPECT_EQ(cuda::router_logits_tokens(256, 9, 132), 8);    // 256 at 8
+  EXPECT_EQ(cuda::router_logits_tokens(128, 16, 16), 8);    // 16 SMs: 128 blocks at 8
   // The tensor-core router: qwen3-next's 512 rows and the gate's 3 from row 512 are 5 groups of
   // 128, qwen3-30b's 1, DeepSeek-V3's 256 rows 2; K slices of 256 columns: 8, 8 and 28.
   EXPECT_EQ(cuda::router_mma_row_groups(512, true), 5);

@@ -218,7 +218,7 @@ __device__ __forceinline__ int router_block_tokens(const DevLayer& L, const floa
 
 // Grid: (ceil((E + Z + shared gate) / 2), ceil(n / kTokens)). Block: 8 warps on 2 router rows
 // (the shared expert's gate vector is one more row), 4 warps splitting each row's columns, for
-// kTokens tokens at once (router_logits_tokens: 8, fewer where the grid would be small): the
+// kTokens tokens at once (router_logits_tokens: 8, or 1 where the grid would be small): the
 // router is read once per kTokens tokens, by many blocks with few loads each, so the reads are in
 // flight together rather than one after another. The blocks also write expert-major's bf16 copy
 // of x.
@@ -1151,10 +1151,6 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
     const dim3 grid((rows + kRouterRows - 1) / kRouterRows, (n + tokens - 1) / tokens);
     if (tokens == 1) {
       moe_router_logits<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    } else if (tokens == 2) {
-      moe_router_logits<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    } else if (tokens == 4) {
-      moe_router_logits<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
     } else {
       moe_router_logits<kRouterTokens><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
     }

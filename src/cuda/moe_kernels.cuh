@@ -464,21 +464,19 @@ inline bool router_logits_wide(int rows, int cols, int n, int sm_count) {
   return cols % 8 == 0 && 2 * blocks >= int64_t{3} * sm_count;
 }
 
-// moe_router_logits' tokens per block: 8, halved (to 1 at the least) while its grid would hold
-// fewer than kRouterLogitsBlocksPerSm blocks per SM. Every block reads its rows' share of x
-// (2 rows over all columns: all of H for each of its tokens), so the x bytes through L2 are the
-// same whatever the tokens per block, and the router's own rows are read once per block instead
-// of once per 8 tokens (0.5-2 MB for the presets, from L2 after the first). What changes is how
-// many SMs pull those bytes and how long each block's chain is: at qwen3-30b N = 8, 8 tokens
-// per block are 64 blocks (half the SMs idle), each lane with 17 loads per 256 columns; 1 token
-// per block is 512 blocks, each as long as the N = 1 call's.
+// moe_router_logits' tokens per block: 8, or 1 for a call of one token (the 1-token build, without
+// the 8-token build's guards) and where the 8-token grid would leave SMs idle. Every block reads
+// its 2 rows' share of x (all of H for each of its tokens), so the x bytes through L2 do not depend
+// on the tokens per block; the router's rows are read once per block instead of once per 8 tokens
+// (0.5-1 MB, from L2 after the first). What changes is how many SMs pull those bytes and how long
+// each block's chain is. Measured on the H200 against 8 per block (docs/PERF.md, v3.23, call 3):
+// qwen3-30b (64 row pairs) 1.02-1.03x per call at N = 1, 2, 8 (1 per block: 64, 128, 512 blocks);
+// qwen3-next (257 row pairs) 1.03-1.04x at N = 1, but 0.98-0.99x at N = 2 and 8 at 1-2 tokens per
+// block (514 and 1028 blocks), so a grid that holds a block per SM keeps 8.
 inline constexpr int kRouterRows = 2;
-inline constexpr int kRouterLogitsBlocksPerSm = 4;
 inline int router_logits_tokens(int rows, int n, int sm_count) {
   const int64_t row_blocks = (rows + kRouterRows - 1) / kRouterRows;
-  int tokens = kRouterTokens;
-  while (tokens > 1 && row_blocks * ((n + tokens - 1) / tokens) < int64_t{kRouterLogitsBlocksPerSm} * sm_count) tokens /= 2;
-  return tokens;
+  return n <= 1 || row_blocks * ((n + kRouterTokens - 1) / kRouterTokens) < sm_count ? 1 : kRouterTokens;
 }
 
 // The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
