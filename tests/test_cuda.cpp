@@ -1184,6 +1184,45 @@ TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
   EXPECT_EQ(ahead(ds, 4), "12");
 }
 
+// The K loop all of a layer's experts take (cuda::common_path, the upload's down_path and
+// gate_up_path): one where every owned expert agrees, kPathAny where any differs or no expert is
+// owned; another rank's experts (no rows) do not count. Matrices stand in by their fields alone
+// (weight_path reads the pointers' alignment, never their bytes).
+TEST(ExpertMajorSizing, CommonKLoopOfTheOwnedExperts) {
+  const auto matrix = [](WeightFormat format, bool tiled = false) {
+    cuda::DevMatrix m;
+    m.data = reinterpret_cast<const uint8_t*>(uintptr_t{0x10000});
+    m.block_scales = reinterpret_cast<const uint8_t*>(uintptr_t{0x20000});
+    m.rows = 64, m.cols = 256, m.tiled = tiled;
+    m.format = static_cast<uint8_t>(format);
+    m.fp8_scaling = static_cast<uint8_t>(Fp8Scaling::kBlock128);
+    return m;
+  };
+  const cuda::DevMatrix tiled = matrix(WeightFormat::kNVFP4, true), row_major = matrix(WeightFormat::kNVFP4);
+  const cuda::DevMatrix fp8 = matrix(WeightFormat::kFP8), bf16 = matrix(WeightFormat::kBF16);
+  ASSERT_EQ(cuda::weight_path(tiled), cuda::kPathNvfp4Tiled);
+  ASSERT_EQ(cuda::weight_path(row_major), cuda::kPathNvfp4Aligned);
+  ASSERT_EQ(cuda::weight_path(fp8), cuda::kPathFp8Block);
+  ASSERT_EQ(cuda::weight_path(bf16), cuda::kPathBf16);
+  const auto down = [](const cuda::DevExpert& x) { return cuda::weight_path(x.down); };
+  const auto gate_up = [](const cuda::DevExpert& x) {
+    const int gate = cuda::weight_path(x.gate);
+    return gate == cuda::weight_path(x.up) ? gate : cuda::kPathAny;
+  };
+  std::vector<cuda::DevExpert> table(4, cuda::DevExpert{tiled, tiled, fp8});
+  EXPECT_EQ(cuda::common_path(table.data(), table.size(), down), cuda::kPathFp8Block);
+  EXPECT_EQ(cuda::common_path(table.data(), table.size(), gate_up), cuda::kPathNvfp4Tiled);
+  table[2].down = bf16;  // one expert's down differs
+  EXPECT_EQ(cuda::common_path(table.data(), table.size(), down), cuda::kPathAny);
+  table[2].gate.rows = 0;  // ... but another rank owns it
+  EXPECT_EQ(cuda::common_path(table.data(), table.size(), down), cuda::kPathFp8Block);
+  table[3].up = row_major;  // gate and up of one expert differ: no common loop, even alone
+  EXPECT_EQ(cuda::common_path(table.data(), table.size(), gate_up), cuda::kPathAny);
+  EXPECT_EQ(cuda::common_path(table.data() + 3, 1, gate_up), cuda::kPathAny);
+  EXPECT_EQ(cuda::common_path(table.data() + 2, 1, down), cuda::kPathAny);  // no owned expert
+  EXPECT_EQ(cuda::common_path(table.data(), 0, down), cuda::kPathAny);
+}
+
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,
 // the H200's): the wide router from 1.5 blocks per SM, the loads-first blend within one wave.
 TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {

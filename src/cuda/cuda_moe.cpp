@@ -390,18 +390,12 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   // The K loop every (owned) expert's down takes, and its gate and up, where they agree: a fused
   // down of many items runs one loop for all of them (expert_major_down_blend_ways), and the
   // split-K kernels run a build of one loop, whose fewer registers hold more blocks per SM.
-  std::optional<int> down_path, gate_up_path;
-  bool downs_agree = true, gate_ups_agree = true;
-  for (const cuda::DevExpert& x : table) {
-    if (x.gate.rows == 0) continue;  // another rank's expert
-    const int down = cuda::weight_path(x.down), gate = cuda::weight_path(x.gate);
-    downs_agree = downs_agree && (!down_path || *down_path == down);
-    down_path = down;
-    gate_ups_agree = gate_ups_agree && gate == cuda::weight_path(x.up) && (!gate_up_path || *gate_up_path == gate);
-    gate_up_path = gate;
-  }
-  L.down_path = static_cast<int8_t>(down_path && downs_agree ? *down_path : cuda::kPathAny);
-  L.gate_up_path = static_cast<int8_t>(gate_up_path && gate_ups_agree ? *gate_up_path : cuda::kPathAny);
+  L.down_path = static_cast<int8_t>(
+      cuda::common_path(table.data(), table.size(), [](const cuda::DevExpert& x) { return cuda::weight_path(x.down); }));
+  L.gate_up_path = static_cast<int8_t>(cuda::common_path(table.data(), table.size(), [](const cuda::DevExpert& x) {
+    const int gate = cuda::weight_path(x.gate);
+    return gate == cuda::weight_path(x.up) ? gate : cuda::kPathAny;
+  }));
   Result<cuda::DevMatrix> router = upload_matrix(impl->weights, layer.router, layer.router_bias);
   if (!router.ok()) return router.status();
   L.router = *router;

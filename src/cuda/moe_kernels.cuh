@@ -146,6 +146,23 @@ __host__ __device__ __forceinline__ int weight_path(const DevMatrix& m) {
   return kPathBf16;
 }
 
+// The K loop that every owned expert takes for the matrices path_of(expert) stands for
+// (weight_path of its down, say, or kPathAny where the expert's own matrices differ), or kPathAny
+// where the experts differ or none is owned. Another rank's experts (no rows) are skipped. The
+// upload's DevLayer::down_path and gate_up_path.
+template <typename PathOf>
+int common_path(const DevExpert* experts, size_t count, PathOf path_of) {
+  int path = kPathAny;
+  bool seen = false;
+  for (size_t i = 0; i < count; ++i) {
+    if (experts[i].gate.rows == 0) continue;
+    const int p = path_of(experts[i]);
+    if (seen && p != path) return kPathAny;
+    path = p, seen = true;
+  }
+  return path;
+}
+
 // Scratch for one call of up to max_tokens tokens. Routes are numbered token-major:
 // route t * k + j is slot j of token t; route n * k + t is token t's shared expert.
 struct DevWorkspace {
