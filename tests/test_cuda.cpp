@@ -489,6 +489,29 @@ TEST_F(Cuda, BlendVariantsAgreeBitForBit) {
   EXPECT_EQ(checked, 2 * 3);
 }
 
+// Three expert-major calls of `layer` on `tokens`, each into a poisoned output: two with the
+// staged kernels as `staged` says (nullopt: chosen), then one with them forced on. `got` gets the
+// three outputs, `config` the first call's kernels. A failed call or a non-finite output fails
+// the test fatally: call it under ASSERT_NO_FATAL_FAILURE.
+void run_twice_then_staged(const Layer& layer, const std::vector<float>& tokens, int64_t n, std::optional<bool> staged,
+                           bool tiles, const std::string& what, std::vector<std::vector<float>>& got, std::string& config) {
+  DeviceArray<float> x(tokens.size()), out(tokens.size());
+  x.put(tokens);
+  for (const bool forced : {false, false, true}) {
+    std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+        layer, n,
+        CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1,
+                       .staged = forced ? std::optional<bool>(true) : staged, .weight_tiles = tiles}));
+    out.poison();
+    ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    got.push_back(out.get());
+    if (got.size() == 1) config = moe->call_config(n);
+    ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); }))
+        << what << ", staged forced " << forced;
+  }
+}
+
 // The fused down and blend of more items than 16 warps (moe_expert_down_blend_rolled: 2-6 items per
 // warp here, up to 16 tokens) on every K loop it has: NVFP4 in tiles, row-major and 16-byte aligned, and row-major with
 // 8-byte aligned rows (K = 176: a 48-column tail); FP8 block-128, per-channel and per-tensor; BF16.
@@ -518,23 +541,11 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
           const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 40);
           std::vector<float> expected(tokens.size());
           ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-          DeviceArray<float> x(tokens.size()), out(tokens.size());
-          x.put(tokens);
           std::vector<std::vector<float>> got;
           std::string config;
-          for (const bool staged : {false, false, true}) {
-            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
-                layer, n,
-                CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1,
-                               .staged = staged ? std::optional<bool>(true) : std::nullopt, .weight_tiles = tiles}));
-            out.poison();
-            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            got.push_back(out.get());
-            if (got.size() == 1) config = moe->call_config(n);
-            ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); }))
-                << describe_shape(d) << ", " << quant_spec_name(spec) << ", n " << n << ", staged " << staged;
-          }
+          ASSERT_NO_FATAL_FAILURE(run_twice_then_staged(
+              layer, tokens, n, std::nullopt, tiles,
+              fmt::format("{}, {}, n {}", describe_shape(d), quant_spec_name(spec), n), got, config));
           const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
                                                tiles ? "tiles" : "row-major", n, config);
           // 24 or more routes on at least 48 experts: past 16 items, one warp each in 2-6 rounds.
@@ -577,22 +588,11 @@ TEST_F(Cuda, WideGateUpMatchesOnEveryFormat) {
           const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 50);
           std::vector<float> expected(tokens.size());
           ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-          DeviceArray<float> x(tokens.size()), out(tokens.size());
-          x.put(tokens);
           std::vector<std::vector<float>> got;
           std::string config;
-          for (const bool staged : {false, false, true}) {
-            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
-                layer, n,
-                CudaMoeOptions{.path = PathKind::kExpertMajor, .rank = 0, .ranks = 1, .staged = staged, .weight_tiles = tiles}));
-            out.poison();
-            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            got.push_back(out.get());
-            if (got.size() == 1) config = moe->call_config(n);
-            ASSERT_TRUE(std::all_of(got.back().begin(), got.back().end(), [](float v) { return std::isfinite(v); }))
-                << describe_shape(d) << ", " << quant_spec_name(spec) << ", n " << n << ", staged " << staged;
-          }
+          ASSERT_NO_FATAL_FAILURE(run_twice_then_staged(
+              layer, tokens, n, false, tiles, fmt::format("{}, {}, n {}", describe_shape(d), quant_spec_name(spec), n),
+              got, config));
           const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
                                                tiles ? "tiles" : "row-major", n, config);
           EXPECT_NE(config.find("gate_up split-K (32 rows)"), std::string::npos) << what;
