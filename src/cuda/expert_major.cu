@@ -964,8 +964,9 @@ bool with_path(int path, F&& f) {
 }
 
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
-// Gate and up of the item's routes -> activation (bf16). One token tile: held to 4 blocks per SM
-// (128 registers), what it took unbound before its loop over NVFP4 tiles, which took 147 unbound.
+// Gate and up of the item's routes -> activation (bf16). One token tile: held to
+// split_blocks_per_sm(kPath) blocks per SM; 4 (128 registers) for every loop's build, what it took
+// unbound before its loop over NVFP4 tiles, which took 147 unbound.
 template <int kTiles, int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per_sm(kPath) : 0)
     moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
