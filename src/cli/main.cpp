@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cerrno>
@@ -34,29 +35,47 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// A progress bar on stderr, drawn only on a terminal and only once the work has taken longer
-// than half a second, so quick runs and logs stay clean.
+// Progress on stderr once the work has taken longer than half a second, so quick runs stay clean.
+// On a terminal, one bar redrawn in place with the stage it is at. Into a log (stderr not a
+// terminal), nothing, or with `log_lines` one line per step finished and otherwise at most one
+// every 5 s, each with the time since the start, so that a long stage (a large layer's generation
+// and upload) shows in the log.
 class ProgressBar {
  public:
-  explicit ProgressBar(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
+  explicit ProgressBar(std::string label, bool log_lines = false)
+      : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0), log_lines_(log_lines) {}
   ~ProgressBar() {
     if (drawn_) std::fputs("\n", stderr);
   }
-  void update(int64_t done, int64_t total) {
+  void update(int64_t done, int64_t total, const std::string& stage = {}) {
     const double elapsed = seconds_since(start_);
-    if (!tty_ || elapsed < 0.5 || total <= 0) return;
+    if (elapsed < 0.5 || total <= 0) return;
+    if (!tty_) {
+      if (!log_lines_ || (done == logged_done_ && elapsed < logged_at_ + 5.0)) return;
+      fmt::print(stderr, "{} {}/{} {:.1f}s{}{}\n", label_, done, total, elapsed, stage.empty() ? "" : ": ", stage);
+      std::fflush(stderr);
+      logged_done_ = done, logged_at_ = elapsed;
+      return;
+    }
     constexpr int kWidth = 30;
     const auto filled = static_cast<int>(kWidth * done / total);
-    fmt::print(stderr, "\r{} [{}{}] {}/{} {:.1f}s", label_, std::string(static_cast<size_t>(filled), '#'),
-               std::string(static_cast<size_t>(kWidth - filled), ' '), done, total, elapsed);
+    std::string line = fmt::format("\r{} [{}{}] {}/{} {:.1f}s {}", label_, std::string(static_cast<size_t>(filled), '#'),
+                                   std::string(static_cast<size_t>(kWidth - filled), ' '), done, total, elapsed, stage);
+    const size_t width = line.size();
+    line.resize(std::max(width, drawn_width_), ' ');  // clears a longer stage drawn before
+    drawn_width_ = width;
+    std::fputs(line.c_str(), stderr);
     std::fflush(stderr);
     drawn_ = true;
   }
 
  private:
   std::string label_;
-  bool tty_;
+  bool tty_, log_lines_;
   bool drawn_ = false;
+  size_t drawn_width_ = 0;
+  int64_t logged_done_ = -1;
+  double logged_at_ = 0.0;
   Clock::time_point start_ = Clock::now();
 };
 
@@ -245,8 +264,8 @@ int bench_command(const BenchOptions& opt) {
   const bool quiet = ep_rank() != 0;
   Result<BenchResult> result = [&] {
     if (quiet) return run_bench(cfg);
-    ProgressBar bar("bench");
-    return run_bench(cfg, [&](int64_t done, int64_t total, const std::string&) { bar.update(done, total); });
+    ProgressBar bar("bench", /*log_lines=*/true);
+    return run_bench(cfg, [&](int64_t done, int64_t total, const std::string& stage) { bar.update(done, total, stage); });
   }();
   if (!result.ok()) return fail(result.status());
   if (quiet) return 0;
