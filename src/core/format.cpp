@@ -94,24 +94,23 @@ float e4m3_to_float(uint8_t code) { return e4m3_table()[code]; }
 
 uint8_t e4m3_from_float(float value) {
   if (std::isnan(value)) return 0x7F;
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80);
   const float a = std::fabs(value);
   if (a >= kE4M3Max) return sign | 0x7E;  // saturate: E4M3 (fn) has no infinity
-  if (a < std::ldexp(1.0f, -6)) {
+  if (a < 0x1p-6f) {
     // Subnormal range: the value is m * 2^-9. Rounding m up to 8 lands exactly on the
     // smallest normal, whose code (e=1, m=0) is 8 as well.
     const auto m = static_cast<int>(std::nearbyint(a * 512.0f));  // ties to even
     return sign | static_cast<uint8_t>(m);
   }
-  int e2 = 0;
-  const float f = std::frexp(a, &e2);  // a = f * 2^e2, f in [0.5, 1)
-  int exponent = e2 - 1;               // a = (2f) * 2^exponent, 2f in [1, 2)
-  auto mantissa = static_cast<int>(std::nearbyint((2.0f * f - 1.0f) * 8.0f));  // ties to even
-  if (mantissa == 8) {
-    mantissa = 0;
-    ++exponent;
-  }
-  const int biased = exponent + 7;
+  // Normal range: the float's 23 mantissa bits rounded to E4M3's 3, to nearest with ties to
+  // even (bit 20 is the last one kept); a carry out of the mantissa raises the exponent by
+  // itself. The quantizers call this once per weight, so it works on the bits.
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  const uint32_t rounded = magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u);
+  const int biased = static_cast<int>(rounded >> 23) - 127 + 7;
+  const auto mantissa = static_cast<int>((rounded >> 20) & 7u);
   if (biased > 15 || (biased == 15 && mantissa == 7)) return sign | 0x7E;
   return sign | static_cast<uint8_t>((biased << 3) | mantissa);
 }
@@ -126,17 +125,11 @@ uint8_t e2m1_from_float(float value) {
   if (std::isnan(value)) return 0;
   const float a = std::fabs(value);
   // Decision points are the midpoints between neighbouring magnitudes; at a midpoint the even
-  // code (mantissa bit 0) wins, so even codes own both of their boundaries.
-  uint8_t code;
-  if (a <= 0.25f) code = 0;
-  else if (a < 0.75f) code = 1;
-  else if (a <= 1.25f) code = 2;
-  else if (a < 1.75f) code = 3;
-  else if (a <= 2.5f) code = 4;
-  else if (a < 3.5f) code = 5;
-  else if (a <= 5.0f) code = 6;
-  else code = 7;
-  return std::signbit(value) ? static_cast<uint8_t>(code | 0x8) : code;
+  // code (mantissa bit 0) wins, so even codes own both of their boundaries. The code is the
+  // number of decision points at or below a (no branches: random weights mispredict them).
+  const int code = int{a > 0.25f} + int{a >= 0.75f} + int{a > 1.25f} + int{a >= 1.75f} + int{a > 2.5f} +
+                   int{a >= 3.5f} + int{a > 5.0f};
+  return static_cast<uint8_t>(std::signbit(value) ? code | 0x8 : code);
 }
 
 // ---- quantized matrix ----------------------------------------------------------------------
