@@ -1,6 +1,8 @@
 // Presets: real shapes, valid in every format, deterministic, and routing that is not degenerate.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <set>
 
@@ -61,6 +63,46 @@ TEST(Presets, ExpertsDependOnlyOnSeedAndIndex) {
   EXPECT_NE(a5->gate.data, take(c.expert(5))->gate.data);
   EXPECT_NE(a5->gate.data, take(a.expert(4))->gate.data);
   EXPECT_EQ(a.loaded_experts(), 2);
+}
+
+// load_experts loads on several threads at once: the same experts as one at a time, each once,
+// the first failure in expert order whichever thread met it, and progress that ends at the count.
+TEST(Presets, ExpertsLoadedTogetherEqualExpertsLoadedOneByOne) {
+  const LayerDesc d = family_layer(Family::kQwen3Moe, {.hidden = 64, .intermediate = 32, .num_experts = 16, .top_k = 2});
+  for (const char* f : {"nvfp4", "fp8", "bf16"}) {
+    const QuantSpec spec = take(parse_quant_spec(f));
+    const Layer together = take(make_synthetic_layer(d, spec, 9));
+    const Layer alone = take(make_synthetic_layer(d, spec, 9));
+    const std::vector<int> ids = {7, 3, 15, 3, 0, 7, 12, 1, 9, 4};  // repeats and any order: 8 experts
+    int64_t last_done = -1, last_total = -1;
+    ASSERT_TRUE(together.load_experts(ids, [&](int64_t done, int64_t total) { last_done = done, last_total = total; }).ok());
+    EXPECT_EQ(last_done, 8) << f;
+    EXPECT_EQ(last_total, 8) << f;
+    EXPECT_EQ(together.loaded_experts(), 8) << f;
+    for (int e : ids) {
+      const ExpertWeights* a = take(together.expert(e));
+      const ExpertWeights* b = take(alone.expert(e));
+      for (const auto m : {&ExpertWeights::gate, &ExpertWeights::up, &ExpertWeights::down}) {
+        EXPECT_EQ((a->*m).data, (b->*m).data) << f << " expert " << e;
+        EXPECT_EQ((a->*m).block_scales, (b->*m).block_scales) << f << " expert " << e;
+        EXPECT_EQ((a->*m).scales, (b->*m).scales) << f << " expert " << e;
+      }
+    }
+    EXPECT_EQ(together.loaded_experts(), 8) << f << ": loading again reused the cache";
+  }
+  const Layer source = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 9));
+  ASSERT_TRUE(source.load_experts(std::vector<int>{2, 8}).ok());
+  std::atomic<int> calls{0};
+  const Layer failing(d, [&](int e) -> Result<ExpertWeights> {
+    ++calls;
+    if (e == 11 || e == 5) return invalid_argument(fmt::format("no weights for {}", e));
+    return *take(source.expert(e));
+  });
+  const std::vector<int> ids = {11, 2, 5, 8};
+  const Status s = failing.load_experts(ids);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.to_string().find("expert 5: no weights for 5"), std::string::npos) << s.to_string();
+  EXPECT_EQ(calls.load(), 4);  // every expert was tried
 }
 
 TEST(Presets, TokensAreBf16Normals) {

@@ -7,6 +7,10 @@
 #include <cmath>
 #include <mutex>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace moeinfer {
 
 int64_t ExpertWeights::bytes() const {
@@ -63,6 +67,15 @@ struct Layer::Cache {
 
 namespace {
 std::atomic<uint64_t> next_layer_id{1};
+
+// Whether this is the first thread of the parallel region it runs in (or of none).
+bool first_thread() {
+#ifdef _OPENMP
+  return omp_get_thread_num() == 0;
+#else
+  return true;
+#endif
+}
 }  // namespace
 
 Layer::Layer(LayerDesc d, ExpertLoader loader)
@@ -77,15 +90,19 @@ Result<const ExpertWeights*> Layer::expert(int e) const {
   if (e < 0 || e >= desc.num_experts) {
     return invalid_argument(fmt::format("expert id {} out of range [0, {})", e, desc.num_experts));
   }
-  std::lock_guard<std::mutex> lock(cache_->mutex);
   auto& slot = cache_->experts[static_cast<size_t>(e)];
-  if (!slot) {
-    if (!loader_) return internal_error(fmt::format("layer has no loader for expert {}", e));
-    Result<ExpertWeights> loaded = loader_(e);
-    if (!loaded.ok()) return loaded.status().with_context(fmt::format("expert {}", e));
-    MOEINFER_RETURN_IF_ERROR(check_expert(*loaded, desc, desc.intermediate, desc.expert_bias, fmt::format("expert {}", e)));
-    slot = std::make_unique<ExpertWeights>(std::move(loaded).value());
+  {
+    std::lock_guard<std::mutex> lock(cache_->mutex);
+    if (slot) return static_cast<const ExpertWeights*>(slot.get());
   }
+  if (!loader_) return internal_error(fmt::format("layer has no loader for expert {}", e));
+  // Loaded outside the lock, so that threads load different experts at once (load_experts); two
+  // threads after the same expert both load it, and the first to finish keeps its copy.
+  Result<ExpertWeights> loaded = loader_(e);
+  if (!loaded.ok()) return loaded.status().with_context(fmt::format("expert {}", e));
+  MOEINFER_RETURN_IF_ERROR(check_expert(*loaded, desc, desc.intermediate, desc.expert_bias, fmt::format("expert {}", e)));
+  std::lock_guard<std::mutex> lock(cache_->mutex);
+  if (!slot) slot = std::make_unique<ExpertWeights>(std::move(loaded).value());
   return static_cast<const ExpertWeights*>(slot.get());
 }
 
@@ -93,12 +110,24 @@ Status Layer::load_experts(std::span<const int> ids, const ProgressFn& progress)
   std::vector<int> unique(ids.begin(), ids.end());
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
-  int64_t done = 0;
-  for (int e : unique) {
-    Result<const ExpertWeights*> w = expert(e);
-    if (!w.ok()) return w.status();
-    if (progress) progress(++done, static_cast<int64_t>(unique.size()));
+  const auto count = static_cast<int64_t>(unique.size());
+  // One expert per thread: generating or reading one expert is itself split over the threads
+  // only matrix by matrix, with serial parts between (allocation, checks), which left most of a
+  // 16-core machine idle while DeepSeek-V3's 256 experts were generated. The loops inside an
+  // expert then run on its thread (nested parallel regions are off by default).
+  std::vector<Status> failed(unique.size());
+  std::atomic<int64_t> done{0};
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    Result<const ExpertWeights*> w = expert(unique[static_cast<size_t>(i)]);
+    if (!w.ok()) failed[static_cast<size_t>(i)] = w.status();
+    const int64_t now = done.fetch_add(1) + 1;
+    if (progress && first_thread()) progress(now, count);  // the callback runs on one thread
   }
+  for (const Status& s : failed) {
+    if (!s.ok()) return s;  // the first failure in expert order, whichever thread met it first
+  }
+  if (progress && count > 0) progress(count, count);
   return {};
 }
 

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -309,6 +310,13 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   const bool expert_major_only = impl->plan.path == PathKind::kExpertMajor && impl->plan.small_path == PathKind::kExpertMajor;
   UploadScratch tile_scratch;
   UploadScratch* tiles = options.weight_tiles.value_or(expert_major_only) ? &tile_scratch : nullptr;
+  {
+    // The slice's experts generated or read on all threads first (Layer::load_experts), then
+    // uploaded in order; the progress runs through both.
+    std::vector<int> ids(static_cast<size_t>(slice.end - slice.begin));
+    std::iota(ids.begin(), ids.end(), slice.begin);
+    MOEINFER_RETURN_IF_ERROR(layer.load_experts(ids, progress));
+  }
   for (int e = slice.begin; e < slice.end; ++e) {
     Result<const ExpertWeights*> w = layer.expert(e);
     if (!w.ok()) return w.status();
