@@ -55,7 +55,8 @@ class Layer {
 
   // Routed expert e (0 <= e < E), loaded and shape-checked on first use. Thread-safe.
   Result<const ExpertWeights*> expert(int e) const;
-  // Loads the given experts now, reporting progress.
+  // Loads the given experts now, one per thread, reporting progress (from one thread). Every
+  // expert is tried; the first failure in expert order is returned.
   Status load_experts(std::span<const int> ids, const ProgressFn& progress = {}) const;
   int loaded_experts() const;
 

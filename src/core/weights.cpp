@@ -111,10 +111,10 @@ Status Layer::load_experts(std::span<const int> ids, const ProgressFn& progress)
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
   const auto count = static_cast<int64_t>(unique.size());
-  // One expert per thread: generating or reading one expert is itself split over the threads
-  // only matrix by matrix, with serial parts between (allocation, checks), which left most of a
-  // 16-core machine idle while DeepSeek-V3's 256 experts were generated. The loops inside an
-  // expert then run on its thread (nested parallel regions are off by default).
+  // One expert per thread. Inside an expert only the matrix loops were split over the threads:
+  // DeepSeek-V3's 256 NVFP4 experts took 63-71 s to make and upload on the H200 machine's 16
+  // cores that way, 27.5 s this way (docs/PERF.md, v3.24). The loops inside an expert then run on
+  // its thread (nested parallel regions are off by default).
   std::vector<Status> failed(unique.size());
   std::atomic<int64_t> done{0};
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
