@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_scale_fold.h"
@@ -512,6 +514,43 @@ void run_twice_then_staged(const Layer& layer, const std::vector<float>& tokens,
   }
 }
 
+// run_twice_then_staged on every shape, format and n given, in weight tiles and (NVFP4) row-major
+// too, the layer made from `seed`, the tokens from n + token_seed. Each call must match the
+// reference within 1e-2, itself bit for bit on its second run, and the call forced staged within
+// bf16 rounding (2e-3); `check(config, what)` tests the kernels its config names. `checked` counts
+// the calls. A failed call fails the test fatally: call it under ASSERT_NO_FATAL_FAILURE.
+template <class Check>
+void expect_every_format_matches(const std::vector<std::pair<Family, FamilyShape>>& shapes,
+                                 const std::vector<QuantSpec>& specs, std::initializer_list<int64_t> tokens_per_call,
+                                 uint64_t seed, uint64_t token_seed, std::optional<bool> staged, const Check& check,
+                                 int& checked) {
+  for (const auto& [family, shape] : shapes) {
+    const LayerDesc d = family_layer(family, shape);
+    for (const QuantSpec& spec : specs) {
+      const Layer layer = take(make_synthetic_layer(d, spec, seed));
+      for (const bool tiles : {true, false}) {
+        if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
+        for (const int64_t n : tokens_per_call) {
+          const std::vector<float> tokens = make_tokens(n, d.hidden, static_cast<uint64_t>(n) + token_seed);
+          std::vector<float> expected(tokens.size());
+          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+          std::vector<std::vector<float>> got;
+          std::string config;
+          const std::string call = fmt::format("{}, {}, {}, n {}", describe_shape(d), quant_spec_name(spec),
+                                               tiles ? "tiles" : "row-major", n);
+          ASSERT_NO_FATAL_FAILURE(run_twice_then_staged(layer, tokens, n, staged, tiles, call, got, config));
+          const std::string what = call + ": " + config;
+          check(config, what);
+          EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
+          EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
+          EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
+          ++checked;
+        }
+      }
+    }
+  }
+}
+
 // The fused down and blend of more items than 16 warps (moe_expert_down_blend_rolled: 2-6 items per
 // warp here, up to 16 tokens) on every K loop it has: NVFP4 in tiles, row-major and 16-byte aligned, and row-major with
 // 8-byte aligned rows (K = 176: a 48-column tail); FP8 block-128, per-channel and per-tensor; BF16.
@@ -529,37 +568,16 @@ TEST_F(Cuda, FusedDownOfManyItemsMatchesOnEveryKLoop) {
   const std::vector<QuantSpec> specs = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                         QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel},
                                         QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerTensor}, QuantSpec{WeightFormat::kBF16}};
+  // 24 or more routes on at least 48 experts: past 16 items, one warp each in 2-6 rounds.
+  const auto rolled_fused_down = [](const std::string& config, const std::string& what) {
+    const std::string fused = "split-K + blend (1 warp/item, ";
+    const size_t at = config.find(fused);
+    ASSERT_NE(at, std::string::npos) << what;
+    EXPECT_GE(std::stoi(config.substr(at + fused.size())), 2) << what;
+  };
   int rolled = 0;
-  for (const auto& [family, shape] : shapes) {
-    const LayerDesc d = family_layer(family, shape);
-    const int64_t h = d.hidden;
-    for (const QuantSpec& spec : specs) {
-      const Layer layer = take(make_synthetic_layer(d, spec, 31));
-      for (const bool tiles : {true, false}) {
-        if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
-        for (const int64_t n : {3, 8, 16}) {
-          const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 40);
-          std::vector<float> expected(tokens.size());
-          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-          std::vector<std::vector<float>> got;
-          std::string config;
-          ASSERT_NO_FATAL_FAILURE(run_twice_then_staged(
-              layer, tokens, n, std::nullopt, tiles,
-              fmt::format("{}, {}, n {}", describe_shape(d), quant_spec_name(spec), n), got, config));
-          const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
-                                               tiles ? "tiles" : "row-major", n, config);
-          // 24 or more routes on at least 48 experts: past 16 items, one warp each in 2-6 rounds.
-          const size_t at = config.find("split-K + blend (1 warp/item, ");
-          ASSERT_NE(at, std::string::npos) << what;
-          EXPECT_GE(std::stoi(config.substr(at + std::string("split-K + blend (1 warp/item, ").size())), 2) << what;
-          EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
-          EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
-          EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
-          ++rolled;
-        }
-      }
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      expect_every_format_matches(shapes, specs, {3, 8, 16}, 31, 40, std::nullopt, rolled_fused_down, rolled));
   EXPECT_EQ(rolled, 4 * 6 * 3);
 }
 
@@ -576,34 +594,11 @@ TEST_F(Cuda, WideGateUpMatchesOnEveryFormat) {
   };
   const std::vector<QuantSpec> specs = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                         QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}};
+  const auto wide_gate_up = [](const std::string& config, const std::string& what) {
+    EXPECT_NE(config.find("gate_up split-K (32 rows)"), std::string::npos) << what;
+  };
   int wide = 0;
-  for (const auto& [family, shape] : shapes) {
-    const LayerDesc d = family_layer(family, shape);
-    const int64_t h = d.hidden;
-    for (const QuantSpec& spec : specs) {
-      const Layer layer = take(make_synthetic_layer(d, spec, 37));
-      for (const bool tiles : {true, false}) {
-        if (!tiles && spec.format != WeightFormat::kNVFP4) continue;
-        for (const int64_t n : {16, 32}) {
-          const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 50);
-          std::vector<float> expected(tokens.size());
-          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-          std::vector<std::vector<float>> got;
-          std::string config;
-          ASSERT_NO_FATAL_FAILURE(run_twice_then_staged(
-              layer, tokens, n, false, tiles, fmt::format("{}, {}, n {}", describe_shape(d), quant_spec_name(spec), n),
-              got, config));
-          const std::string what = fmt::format("{}, {}, {}, n {}: {}", describe_shape(d), quant_spec_name(spec),
-                                               tiles ? "tiles" : "row-major", n, config);
-          EXPECT_NE(config.find("gate_up split-K (32 rows)"), std::string::npos) << what;
-          EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0) << what;
-          EXPECT_LE(testing::rel_l2(got[0], expected), 1e-2) << what;
-          EXPECT_LE(testing::rel_l2(got[0], got[2]), 2e-3) << what;
-          ++wide;
-        }
-      }
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_every_format_matches(shapes, specs, {16, 32}, 37, 50, false, wide_gate_up, wide));
   EXPECT_EQ(wide, 2 * 5 * 2);
 }
 
@@ -765,6 +760,36 @@ TEST_F(Cuda, WeightTilesByDefaultOnlyUnderExpertMajor) {
   for (const PathKind path : {PathKind::kTokenMajor, PathKind::kPerRow}) {
     const std::unique_ptr<CudaMoe> forced = take(CudaMoe::create(layer, 4, path));
     EXPECT_NE(forced->call_config(4).find("; row-major weights;"), std::string::npos) << forced->call_config(4);
+  }
+}
+
+// create() reports two steps per expert of its slice: the loads (on all threads, so in any
+// order, ending at S), then the uploads in order (S + 1 .. 2S), always out of 2S.
+TEST_F(Cuda, CreateCountsLoadsThenUploads) {
+  const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 64, .num_experts = 10, .top_k = 2,
+                                                        .shared_intermediate = 64});
+  for (const int ranks : {1, 3}) {
+    const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 3));
+    const ExpertSlice slice = expert_slice(d.num_experts, ranks - 1, ranks);
+    const int64_t experts = slice.end - slice.begin;
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    std::mutex lock;  // Layer::load_experts reports from one thread, but may not be the caller's
+    take(CudaMoe::create(layer, 4, CudaMoeOptions{.path = std::nullopt, .rank = ranks - 1, .ranks = ranks}, [&](int64_t done, int64_t total) {
+      const std::lock_guard<std::mutex> hold(lock);
+      calls.emplace_back(done, total);
+    }));
+    const std::string what = fmt::format("rank {} of {}: {} experts", ranks - 1, ranks, experts);
+    ASSERT_GE(calls.size(), static_cast<size_t>(experts + 1)) << what;
+    const size_t loads = calls.size() - static_cast<size_t>(experts);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      EXPECT_EQ(calls[i].second, 2 * experts) << what << ", call " << i;
+      if (i < loads) {
+        EXPECT_LE(calls[i].first, experts) << what << ", call " << i;
+      } else {
+        EXPECT_EQ(calls[i].first, experts + static_cast<int64_t>(i - loads) + 1) << what << ", call " << i;
+      }
+    }
+    EXPECT_EQ(calls[loads - 1].first, experts) << what << ": the loads end at the slice's size";
   }
 }
 
@@ -1283,6 +1308,18 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_FALSE(cuda::router_uses_mma(ds, 16));
   next.router_mma = 0;
   EXPECT_FALSE(cuda::router_uses_mma(next, 256));
+  // The launch those rules give, as the launcher runs it and the bench names it.
+  qwen30.router.cols = 2048;
+  const auto launch = [](const cuda::DevLayer& L, int n) {
+    const cuda::RouterLaunch r = cuda::router_launch(L, n);
+    return std::tuple{r.kernel, r.tokens, r.grid[0], r.grid[1], r.grid[2]};
+  };
+  using K = cuda::RouterKernel;
+  EXPECT_EQ(launch(qwen30, 1), std::tuple(K::kFma, 1, 64, 1, 1));      // 64 row pairs, 1 token per block
+  EXPECT_EQ(launch(qwen30, 17), std::tuple(K::kFma, 8, 64, 3, 1));     // 8 tokens per block, a partial one
+  EXPECT_EQ(launch(qwen30, 64), std::tuple(K::kMma, 8, 1, 8, 8));      // 1 row group x 8 token groups x 8 slices
+  EXPECT_EQ(launch(qwen30, 512), std::tuple(K::kMma, 16, 1, 32, 8));   // 2 tiles
+  EXPECT_EQ(launch(qwen30, 513), std::tuple(K::kFmaWide, 8, 8, 65, 1));  // 8 groups of 16 rows, past the MMA's 512
   // Blend grids of 8 blocks per token (H = 2048) at 3 resident blocks per SM.
   EXPECT_TRUE(cuda::blend_loads_first(8 * 49, 3, 132));
   EXPECT_FALSE(cuda::blend_loads_first(8 * 50, 3, 132));

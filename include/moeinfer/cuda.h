@@ -60,7 +60,9 @@ class CudaMoe {
  public:
   // Uploads the routed experts (loading them from the layer's loader as needed), the router
   // and the shared expert to the current device, and plans scratch for max_tokens tokens.
-  // Under expert parallelism only this rank's experts are loaded and uploaded.
+  // Under expert parallelism only this rank's experts are loaded and uploaded. `progress` counts
+  // two steps per expert: 1 .. S as the S experts are loaded (on all threads, in any order), then
+  // S + 1 .. 2S as they are uploaded.
   static Result<std::unique_ptr<CudaMoe>> create(const Layer& layer, int64_t max_tokens,
                                                  const CudaMoeOptions& options, const ProgressFn& progress = {});
   static Result<std::unique_ptr<CudaMoe>> create(const Layer& layer, int64_t max_tokens,

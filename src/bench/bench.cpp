@@ -205,7 +205,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
                                    .router_mma = cfg.router_mma,
                                    .weight_tiles = cfg.weight_tiles};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
-        if (progress) progress(done, total, fmt::format("{}: uploading expert {}/{}", label, e, all));
+        if (!progress) return;
+        const int64_t experts = all / 2;  // two steps per expert: loaded, then uploaded (CudaMoe::create)
+        progress(done, total,
+                 e <= experts ? fmt::format("{}: loading expert {}/{}", label, e, experts)
+                              : fmt::format("{}: uploading expert {}/{}", label, e - experts, experts));
       });
       if (!made.ok()) return made.status();
       moe = std::move(made).value();

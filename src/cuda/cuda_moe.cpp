@@ -206,17 +206,12 @@ CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoe::~CudaMoe() = default;
 std::string CudaMoe::call_config(int64_t n) const {
   const cuda::DevLayer& L = impl_->dev;
-  // The router's kernel: on the tensor cores (with its tokens per block) or the CUDA cores (FMA;
-  // 16 rows per block, or 2 with their tokens per block).
-  const int rows = L.router_outputs + (L.shared_gate ? 1 : 0), calls = static_cast<int>(n);
-  const std::string router =
-      cuda::router_uses_mma(L, calls)
-          ? fmt::format("router mma ({} tokens/block)",
-                        8 * cuda::router_mma_tiles(calls, cuda::router_mma_row_groups(L.router_outputs, L.shared_gate),
-                                                   cuda::router_mma_slices(L.hidden), L.sm_count))
-      : cuda::router_logits_wide(rows, L.router.cols, calls, L.sm_count)
-          ? std::string("router fma (16 rows/block)")
-          : fmt::format("router fma ({} tokens/block)", cuda::router_logits_tokens(rows, calls, L.sm_count));
+  // The router's kernel: on the tensor cores or the CUDA cores (FMA), with its tokens or rows per block.
+  const cuda::RouterLaunch r = cuda::router_launch(L, static_cast<int>(n));
+  const std::string per_block = fmt::format("{} token{}/block", r.tokens, r.tokens > 1 ? "s" : "");
+  const std::string router = r.kernel == cuda::RouterKernel::kMma       ? fmt::format("router mma ({})", per_block)
+                             : r.kernel == cuda::RouterKernel::kFmaWide ? std::string("router fma (16 rows/block)")
+                                                                        : fmt::format("router fma ({})", per_block);
   // The experts' layout: the upload's, the same for every call.
   const int tiled = impl_->tiled_matrices, all = impl_->expert_matrices;
   const std::string layout = tiled == 0     ? std::string("row-major weights")
@@ -310,12 +305,14 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   const bool expert_major_only = impl->plan.path == PathKind::kExpertMajor && impl->plan.small_path == PathKind::kExpertMajor;
   UploadScratch tile_scratch;
   UploadScratch* tiles = options.weight_tiles.value_or(expert_major_only) ? &tile_scratch : nullptr;
+  // The slice's experts generated or read on all threads first (Layer::load_experts), then
+  // uploaded in order; the progress counts both, two steps per expert.
+  const int64_t steps = 2 * int64_t{slice.end - slice.begin};
   {
-    // The slice's experts generated or read on all threads first (Layer::load_experts), then
-    // uploaded in order; the progress runs through both.
     std::vector<int> ids(static_cast<size_t>(slice.end - slice.begin));
     std::iota(ids.begin(), ids.end(), slice.begin);
-    MOEINFER_RETURN_IF_ERROR(layer.load_experts(ids, progress));
+    const ProgressFn loaded = [&](int64_t done, int64_t) { progress(done, steps); };
+    MOEINFER_RETURN_IF_ERROR(layer.load_experts(ids, progress ? loaded : ProgressFn{}));
   }
   for (int e = slice.begin; e < slice.end; ++e) {
     Result<const ExpertWeights*> w = layer.expert(e);
@@ -323,7 +320,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
     Result<cuda::DevExpert> dev = upload_expert(impl->weights, **w, tiles);
     if (!dev.ok()) return dev.status();
     table[static_cast<size_t>(e)] = *dev;
-    if (progress) progress(e + 1 - slice.begin, slice.end - slice.begin);
+    if (progress) progress(steps / 2 + e + 1 - slice.begin, steps);
   }
   if (layer.shared && adds_once) {
     Result<cuda::DevExpert> dev = upload_expert(impl->weights, *layer.shared, tiles);

@@ -963,6 +963,13 @@ bool with_path(int path, F&& f) {
   }
 }
 
+// with_path, or where the experts' K loops differ, f.template operator()<kPathAny>() (the build
+// with every loop).
+template <typename F>
+void with_path_or_any(int path, F&& f) {
+  if (!with_path(path, f)) f.template operator()<kPathAny>();
+}
+
 // Grid: (16-row tiles of the widest intermediate, max work items). Block: 4 warps splitting K.
 // Gate and up of the item's routes -> activation (bf16). One token tile: held to
 // split_blocks_per_sm(kPath) blocks per SM; 4 (128 registers) for every loop's build, what it took
@@ -1315,16 +1322,17 @@ cudaError_t launch_split(bool gate_up, bool pairs, const DevLayer& L, int n, con
                          cudaStream_t stream) {
   if (gate_up) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
-    if (kTiles != 1 || !with_path(L.gate_up_path, [&]<int kPath>() {
-          moe_expert_gate_up<1, kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-        })) {
+    if constexpr (kTiles == 1) {
+      with_path_or_any(L.gate_up_path, [&]<int kPath>() {
+        moe_expert_gate_up<1, kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
+      });
+    } else {
       moe_expert_gate_up<kTiles><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
     }
   } else if (kTiles == 1 && pairs) {
     const dim3 grid(L.hidden / (2 * kRows), max_items);
-    if (!with_path(L.down_path, [&]<int kPath>() { moe_expert_down_pairs<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); })) {
-      moe_expert_down_pairs<<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-    }
+    with_path_or_any(L.down_path,
+                     [&]<int kPath>() { moe_expert_down_pairs<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); });
   } else {
     moe_expert_down<kTiles><<<dim3((L.hidden + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
   }
@@ -1398,11 +1406,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
   }
   if (gate_up && call.gate_up_wide) {  // act_stride % 32 == 0 (expert_major_gate_up_wide)
     const dim3 grid(L.act_stride / (2 * kRows), max_items);
-    if (!with_path(L.gate_up_path, [&]<int kPath>() {
-          moe_expert_gate_up_wide<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-        })) {
-      moe_expert_gate_up_wide<<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-    }
+    with_path_or_any(L.gate_up_path,
+                     [&]<int kPath>() { moe_expert_gate_up_wide<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); });
     return cudaGetLastError();
   }
   return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, L, n, ws, max_items, stream)

@@ -1130,30 +1130,26 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
 
 cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, int group,
                              cudaStream_t stream, bool select) {
-  const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
-  const int token_blocks = (n + kRouterTokens - 1) / kRouterTokens;
-  if (router_uses_mma(L, n)) {
-    const int groups = router_mma_row_groups(L.router_outputs, L.shared_gate), slices = router_mma_slices(L.hidden);
-    const int tiles = router_mma_tiles(n, groups, slices, L.sm_count);
-    const dim3 grid(groups, (n + 8 * tiles - 1) / (8 * tiles), slices);
-    if (tiles == 1) {
-      moe_router_mma<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    } else if (tiles == 2) {
-      moe_router_mma<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    } else {
-      moe_router_mma<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    }
-  } else if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
-    moe_router_logits_wide<<<dim3((rows + kRouterWideRows - 1) / kRouterWideRows, token_blocks), kRouterWarps * kWarp, 0,
-                             stream>>>(L, x, n, ws);
-  } else {
-    const int tokens = router_logits_tokens(rows, n, L.sm_count);
-    const dim3 grid((rows + kRouterRows - 1) / kRouterRows, (n + tokens - 1) / tokens);
-    if (tokens == 1) {
-      moe_router_logits<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    } else {
-      moe_router_logits<kRouterTokens><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-    }
+  const RouterLaunch r = router_launch(L, n);
+  const dim3 grid(r.grid[0], r.grid[1], r.grid[2]);
+  switch (r.kernel) {
+    case RouterKernel::kMma:
+      if (r.tokens == 8) {
+        moe_router_mma<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+      } else if (r.tokens == 16) {
+        moe_router_mma<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+      } else {
+        moe_router_mma<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+      }
+      break;
+    case RouterKernel::kFmaWide: moe_router_logits_wide<<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws); break;
+    case RouterKernel::kFma:
+      if (r.tokens == 1) {
+        moe_router_logits<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+      } else {
+        moe_router_logits<kRouterTokens><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
+      }
+      break;
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || !select) return err;

@@ -537,6 +537,36 @@ inline bool router_uses_mma(const DevLayer& L, int n) {
   return n >= kRouterMmaFromTokens && 8 * blocks >= int64_t{3} * L.sm_count;
 }
 
+// The router's logits kernel for a call of n tokens, and its grid: on the tensor cores
+// (moe_router_mma, `tokens` = 8 x its token tiles per block), or on the CUDA cores, 16 rows per
+// block (moe_router_logits_wide, 8 tokens) or 2 (moe_router_logits, 1 or 8 tokens). The launcher
+// runs this choice and the bench's per-call config names it.
+enum class RouterKernel { kMma, kFmaWide, kFma };
+struct RouterLaunch {
+  RouterKernel kernel = RouterKernel::kFma;
+  int tokens = 1;  // tokens per block
+  int grid[3] = {1, 1, 1};
+};
+inline RouterLaunch router_launch(const DevLayer& L, int n) {
+  const int rows = L.router_outputs + (L.shared_gate ? 1 : 0);
+  RouterLaunch r;
+  if (router_uses_mma(L, n)) {
+    const int groups = router_mma_row_groups(L.router_outputs, L.shared_gate), slices = router_mma_slices(L.hidden);
+    r.kernel = RouterKernel::kMma;
+    r.tokens = 8 * router_mma_tiles(n, groups, slices, L.sm_count);
+    r.grid[0] = groups, r.grid[2] = slices;
+  } else if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
+    r.kernel = RouterKernel::kFmaWide;
+    r.tokens = kRouterTokens;
+    r.grid[0] = (rows + kRouterWideRows - 1) / kRouterWideRows;
+  } else {
+    r.tokens = router_logits_tokens(rows, n, L.sm_count);
+    r.grid[0] = (rows + kRouterRows - 1) / kRouterRows;
+  }
+  r.grid[1] = (n + r.tokens - 1) / r.tokens;
+  return r;
+}
+
 // Router logits, then (`select`) the selection of every token; with group > 0 also the
 // expert-major work items of up to `group` routes (ws.items, ws.route_list, ws.num_items). Without
 // `select` the router alone: the caller's gate_up selects (ExpertMajorLaunch::gate_up_selects).
