@@ -119,6 +119,23 @@ TEST(Presets, TokensAreBf16Normals) {
   EXPECT_NE(make_tokens(1, 256, 3), make_tokens(1, 256, 4));
 }
 
+// The synthetic normals' shape, beyond mean and spread: the share within 1, 2 and 3 standard
+// deviations, and as many on each side (Box-Muller through the generator's own ln, cos and sin).
+TEST(Presets, TokensFollowTheNormalLaw) {
+  const std::vector<float> x = make_tokens(64, 4096, 11);  // 262144 samples
+  const double n = static_cast<double>(x.size());
+  int64_t within[3] = {0, 0, 0}, positive = 0;
+  for (float v : x) {
+    for (int k = 0; k < 3; ++k) within[k] += std::fabs(v) < static_cast<float>(k + 1) ? 1 : 0;
+    positive += v > 0.0f ? 1 : 0;
+  }
+  // Binomial sd of each share here: 0.0009 or less; bf16 rounding moves it by up to 0.001.
+  EXPECT_NEAR(static_cast<double>(within[0]) / n, 0.682689, 0.005);
+  EXPECT_NEAR(static_cast<double>(within[1]) / n, 0.954500, 0.003);
+  EXPECT_NEAR(static_cast<double>(within[2]) / n, 0.997300, 0.001);
+  EXPECT_NEAR(static_cast<double>(positive) / n, 0.5, 0.005);
+}
+
 TEST(Presets, RoutingIsNotDegenerate) {
   // 64 tokens through each preset's router: independent routing would touch about
   // E (1 - (1 - k/E)^64) distinct experts. Ask for at least half of that, and weights that

@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <numbers>
 
 #include "core/parallel.h"
@@ -43,8 +46,47 @@ uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// xoshiro256**: a small, fast generator whose output is the same on every platform, unlike
-// std::normal_distribution. One stream per (seed, tensor, expert, row) keeps generation
+// ln(u) for u in (0, 1] (u >= 2^-24), from IEEE basic operations alone: u = m 2^e with m in
+// [sqrt(1/2), sqrt(2)), and ln(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| <= 0.1716, by its series
+// to t^9 (the next term is under 4e-10 of ln(m)). Integer operations pick the range, not branches,
+// so that a loop over it vectorizes.
+float log_unit(float u) {
+  const uint32_t bits = std::bit_cast<uint32_t>(u);
+  uint32_t mantissa = (bits & 0x7FFFFFu) | 0x3F800000u;  // m in [1, 2)
+  const uint32_t high = mantissa > std::bit_cast<uint32_t>(std::numbers::sqrt2_v<float>) ? 1u : 0u;
+  mantissa -= high << 23;  // m / 2 where m > sqrt(2)
+  const float e = static_cast<float>(static_cast<int>((bits >> 23) + high) - 127);
+  const float m = std::bit_cast<float>(mantissa);
+  const float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+  const float atanh =
+      t * (1.0f + t2 * (1.0f / 3 + t2 * (1.0f / 5 + t2 * (1.0f / 7 + t2 * (1.0f / 9)))));
+  return e * std::numbers::ln2_v<float> + 2.0f * atanh;
+}
+
+// (cos, sin) of the angle 2 pi v, v in (0, 1], from IEEE basic operations alone: the quarter turn
+// q = floor(4v) and theta = (4v - q) pi / 2 in [0, pi / 2), where Taylor series to theta^13 (sin)
+// and theta^14 (cos) are within 6e-8 and 7e-9; then turned by q quarter turns, (cos, sin) ->
+// (-sin, cos) each, by swapping and sign bits.
+void cos_sin_turn(float v, float& c, float& s) {
+  const float x = 4.0f * v;
+  const int q = static_cast<int>(x);  // x > 0: truncation is floor
+  const float theta = (x - static_cast<float>(q)) * (std::numbers::pi_v<float> / 2), t2 = theta * theta;
+  const float sin =
+      theta * (1.0f - t2 * (1.0f / 6) * (1.0f - t2 * (1.0f / 20) * (1.0f - t2 * (1.0f / 42) *
+              (1.0f - t2 * (1.0f / 72) * (1.0f - t2 * (1.0f / 110) * (1.0f - t2 * (1.0f / 156)))))));
+  const float cos =
+      1.0f - t2 * (1.0f / 2) * (1.0f - t2 * (1.0f / 12) * (1.0f - t2 * (1.0f / 30) * (1.0f - t2 * (1.0f / 56) *
+             (1.0f - t2 * (1.0f / 90) * (1.0f - t2 * (1.0f / 132) * (1.0f - t2 * (1.0f / 182)))))));
+  const uint32_t odd = 0u - static_cast<uint32_t>(q & 1);  // all ones for q = 1, 3: swapped
+  const uint32_t sin_bits = std::bit_cast<uint32_t>(sin), cos_bits = std::bit_cast<uint32_t>(cos);
+  const uint32_t first = (cos_bits & ~odd) | (sin_bits & odd), second = (sin_bits & ~odd) | (cos_bits & odd);
+  c = std::bit_cast<float>(first ^ static_cast<uint32_t>((q + 1) & 2) << 30);  // negative for q = 1, 2
+  s = std::bit_cast<float>(second ^ static_cast<uint32_t>(q & 2) << 30);       // negative for q = 2, 3
+}
+
+// xoshiro256**: a small, fast generator whose output is the same on every platform. Its normals
+// are too (Box-Muller through log_unit and cos_sin_turn, where libm's logf, cosf and sinf differ
+// between implementations). One stream per (seed, tensor, expert, row) keeps generation
 // independent of thread count and of which experts are generated.
 class Rng {
  public:
@@ -64,13 +106,23 @@ class Rng {
   }
   // Uniform in (0, 1]: 24 random bits, never 0 (the log below needs that).
   float uniform() { return static_cast<float>((next() >> 40) + 1) * 0x1.0p-24f; }
-  // Fills out[0..count) with standard normals (Box-Muller, two per draw).
+  // Fills out[0..count) with standard normals (Box-Muller, two per pair of uniforms): a batch of
+  // uniforms drawn in turn, then turned into normals in a loop the compiler vectorizes.
   void normals(float* out, int64_t count) {
-    for (int64_t i = 0; i < count; i += 2) {
-      const float radius = std::sqrt(-2.0f * std::log(uniform()));
-      const float angle = 2.0f * std::numbers::pi_v<float> * uniform();
-      out[i] = radius * std::cos(angle);
-      if (i + 1 < count) out[i + 1] = radius * std::sin(angle);
+    constexpr int64_t kBatch = 256;  // pairs
+    float u[2 * kBatch];
+    for (int64_t at = 0; at < count; at += 2 * kBatch) {
+      const int64_t pairs = std::min(kBatch, (count - at + 1) / 2);
+      for (int64_t i = 0; i < 2 * pairs; ++i) u[i] = uniform();
+      float pair[2 * kBatch];
+      for (int64_t p = 0; p < pairs; ++p) {
+        const float radius = std::sqrt(-2.0f * log_unit(u[2 * p]));
+        float c, s;
+        cos_sin_turn(u[2 * p + 1], c, s);
+        pair[2 * p] = radius * c;
+        pair[2 * p + 1] = radius * s;
+      }
+      std::copy_n(pair, std::min(2 * pairs, count - at), out + at);
     }
   }
 
