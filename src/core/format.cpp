@@ -92,28 +92,35 @@ const std::array<float, 256>& e4m3_table() {
 
 float e4m3_to_float(uint8_t code) { return e4m3_table()[code]; }
 
-uint8_t e4m3_from_float(float value) {
-  if (std::isnan(value)) return 0x7F;
+namespace {
+
+// e4m3_from_float, inlined into the quantizers' loops.
+inline uint8_t e4m3_code(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
-  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80);
-  const float a = std::fabs(value);
-  if (a >= kE4M3Max) return sign | 0x7E;  // saturate: E4M3 (fn) has no infinity
-  if (a < 0x1p-6f) {
-    // Subnormal range: the value is m * 2^-9. Rounding m up to 8 lands exactly on the
-    // smallest normal, whose code (e=1, m=0) is 8 as well.
-    const auto m = static_cast<int>(std::nearbyint(a * 512.0f));  // ties to even
-    return sign | static_cast<uint8_t>(m);
-  }
-  // Normal range: the float's 23 mantissa bits rounded to E4M3's 3, to nearest with ties to
-  // even (bit 20 is the last one kept); a carry out of the mantissa raises the exponent by
-  // itself. The quantizers call this once per weight, so it works on the bits.
+  const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  const float a = std::bit_cast<float>(magnitude);
+  // Subnormal range (a < 2^-6): the value is m * 2^-9, m = a * 512 (exact) rounded to nearest with
+  // ties to even, which adding 2^23 does in the default rounding mode: the sum's low mantissa bits
+  // are m. Rounding m up to 8 lands exactly on the smallest normal, whose code (e=1, m=0) is 8 as
+  // well.
+  const uint32_t subnormal = std::bit_cast<uint32_t>(std::min(a, 0x1p-6f) * 512.0f + 0x1p23f) - 0x4B000000u;
+  // Normal range: the float's 23 mantissa bits rounded to E4M3's 3, to nearest with ties to even
+  // (bit 20 is the last one kept); a carry out of the mantissa raises the exponent by itself.
+  // Below 448 the code stays at or under 0x7E (448 itself).
   const uint32_t rounded = magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u);
-  const int biased = static_cast<int>(rounded >> 23) - 127 + 7;
-  const auto mantissa = static_cast<int>((rounded >> 20) & 7u);
-  if (biased > 15 || (biased == 15 && mantissa == 7)) return sign | 0x7E;
-  return sign | static_cast<uint8_t>((biased << 3) | mantissa);
+  const uint32_t normal = ((rounded >> 23) - (127 - 7)) << 3 | ((rounded >> 20) & 7u);
+  // The quantizers call this once per weight: every case is computed and one selected, with no
+  // branch, so that their loops vectorize. From 448 up it saturates (E4M3 (fn) has no infinity);
+  // NaN is 0x7F.
+  uint32_t code = a < 0x1p-6f ? subnormal : normal;
+  code = a >= kE4M3Max ? 0x7Eu : code;
+  return static_cast<uint8_t>(std::isnan(value) ? 0x7Fu : sign | code);
 }
+
+}  // namespace
+
+uint8_t e4m3_from_float(float value) { return e4m3_code(value); }
 
 float e2m1_to_float(uint8_t code) {
   static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -122,14 +129,15 @@ float e2m1_to_float(uint8_t code) {
 }
 
 uint8_t e2m1_from_float(float value) {
-  if (std::isnan(value)) return 0;
   const float a = std::fabs(value);
   // Decision points are the midpoints between neighbouring magnitudes; at a midpoint the even
   // code (mantissa bit 0) wins, so even codes own both of their boundaries. The code is the
-  // number of decision points at or below a (no branches: random weights mispredict them).
+  // number of decision points at or below a (no branches: random weights mispredict them, and
+  // the quantizer's loop over a block vectorizes). NaN passes no point and takes no sign: 0.
   const int code = int{a > 0.25f} + int{a >= 0.75f} + int{a > 1.25f} + int{a >= 1.75f} + int{a > 2.5f} +
                    int{a >= 3.5f} + int{a > 5.0f};
-  return static_cast<uint8_t>(std::signbit(value) ? code | 0x8 : code);
+  const int sign = std::signbit(value) && !std::isnan(value) ? 0x8 : 0;
+  return static_cast<uint8_t>(code | sign);
 }
 
 // ---- quantized matrix ----------------------------------------------------------------------
@@ -138,9 +146,17 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The largest magnitude, NaNs passed over. Eight running maxima, so that the loop is not one
+// chain of dependent max operations (the result is the same in any order).
 float max_abs(const float* values, int64_t count) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] = std::max(lanes[j], std::fabs(values[i + j]));
+  }
+  for (; i < count; ++i) lanes[0] = std::max(lanes[0], std::fabs(values[i]));
   float m = 0.0f;
-  for (int64_t i = 0; i < count; ++i) m = std::max(m, std::fabs(values[i]));
+  for (const float lane : lanes) m = std::max(m, lane);
   return m;
 }
 
@@ -237,9 +253,9 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
           const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
           m.scales[static_cast<size_t>(sr * scols + sc)] = scale;
           for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t c = c0; c < c1; ++c) {
-              m.data[static_cast<size_t>(r * cols + c)] = e4m3_from_float(src[r * cols + c] / scale);
-            }
+            const float* in = src + r * cols;
+            uint8_t* out = m.data.data() + r * cols;
+            for (int64_t c = c0; c < c1; ++c) out[c] = e4m3_code(in[c] / scale);
           }
         }
       }
@@ -251,7 +267,7 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
       const float amax = max_abs(src, rows * cols);
       m.global_scale = amax > 0.0f ? amax / (kE2M1Max * kE4M3Max) : 1.0f;
       const int64_t groups = cols / kNvfp4Group;
-      m.data.assign(static_cast<size_t>(rows * cols / 2), 0);
+      m.data.resize(static_cast<size_t>(rows * cols / 2));
       m.block_scales.resize(static_cast<size_t>(rows * groups));
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMinElements)
       for (int64_t r = 0; r < rows; ++r) {
@@ -260,11 +276,13 @@ Result<QuantMatrix> QuantMatrix::quantize(std::span<const float> values, int64_t
           const uint8_t scale_code = e4m3_from_float(max_abs(block, kNvfp4Group) / kE2M1Max / m.global_scale);
           m.block_scales[static_cast<size_t>(r * groups + g)] = scale_code;
           const float step = e4m3_to_float(scale_code) * m.global_scale;
-          for (int64_t i = 0; i < kNvfp4Group; ++i) {
-            const uint8_t code = step > 0.0f ? e2m1_from_float(block[i] / step) : 0;
-            const int64_t c = g * kNvfp4Group + i;
-            uint8_t& byte = m.data[static_cast<size_t>((r * cols + c) / 2)];
-            byte |= (c % 2 == 0) ? code : static_cast<uint8_t>(code << 4);  // element 2i low
+          // The block's 16 codes, then 8 bytes of them, element 2i in the low half of byte i.
+          uint8_t codes[kNvfp4Group];
+          for (int64_t i = 0; i < kNvfp4Group; ++i) codes[i] = e2m1_from_float(block[i] / step);
+          if (!(step > 0.0f)) std::fill_n(codes, kNvfp4Group, uint8_t{0});
+          uint8_t* bytes = m.data.data() + (r * cols + g * kNvfp4Group) / 2;
+          for (int64_t i = 0; i < kNvfp4Group / 2; ++i) {
+            bytes[i] = static_cast<uint8_t>(codes[2 * i] | codes[2 * i + 1] << 4);
           }
         }
       }
