@@ -99,23 +99,30 @@ inline uint8_t e4m3_code(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
-  const float a = std::bit_cast<float>(magnitude);
-  // Subnormal range (a < 2^-6): the value is m * 2^-9, m = a * 512 (exact) rounded to nearest with
-  // ties to even, which adding 2^23 does in the default rounding mode: the sum's low mantissa bits
-  // are m. Rounding m up to 8 lands exactly on the smallest normal, whose code (e=1, m=0) is 8 as
-  // well.
-  const uint32_t subnormal = std::bit_cast<uint32_t>(std::min(a, 0x1p-6f) * 512.0f + 0x1p23f) - 0x4B000000u;
+  // The cases, as masks of all ones from integer comparisons of the magnitude's bits (which order
+  // as the magnitudes do): below the smallest normal 2^-6, from 448 up (infinity too), NaN. The
+  // quantizers call this once per weight: every case is computed and one selected by the masks,
+  // so that their loops vectorize on any x86-64 (float comparisons feeding selects did not: GCC
+  // found "control flow in loop" without SSE4.1's blends).
+  constexpr uint32_t kMinNormal = std::bit_cast<uint32_t>(0x1p-6f), kMaxBits = std::bit_cast<uint32_t>(kE4M3Max);
+  const uint32_t small = 0u - static_cast<uint32_t>(magnitude < kMinNormal);
+  const uint32_t large = 0u - static_cast<uint32_t>(magnitude >= kMaxBits);
+  const uint32_t nan = 0u - static_cast<uint32_t>(magnitude > 0x7F800000u);
+  // Subnormal range: the value is m * 2^-9, m = a * 512 (exact) rounded to nearest with ties to
+  // even, which adding 2^23 does in the default rounding mode: the sum's low mantissa bits are m.
+  // Rounding m up to 8 lands exactly on the smallest normal, whose code (e=1, m=0) is 8 as well.
+  // Magnitudes past 2^-6 are clamped to it first, so that the sum stays in range.
+  const float clamped = std::bit_cast<float>((magnitude & small) | (kMinNormal & ~small));
+  const uint32_t subnormal = std::bit_cast<uint32_t>(clamped * 512.0f + 0x1p23f) - 0x4B000000u;
   // Normal range: the float's 23 mantissa bits rounded to E4M3's 3, to nearest with ties to even
   // (bit 20 is the last one kept); a carry out of the mantissa raises the exponent by itself.
   // Below 448 the code stays at or under 0x7E (448 itself).
   const uint32_t rounded = magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u);
   const uint32_t normal = ((rounded >> 23) - (127 - 7)) << 3 | ((rounded >> 20) & 7u);
-  // The quantizers call this once per weight: every case is computed and one selected, with no
-  // branch, so that their loops vectorize. From 448 up it saturates (E4M3 (fn) has no infinity);
-  // NaN is 0x7F.
-  uint32_t code = a < 0x1p-6f ? subnormal : normal;
-  code = a >= kE4M3Max ? 0x7Eu : code;
-  return static_cast<uint8_t>(std::isnan(value) ? 0x7Fu : sign | code);
+  // From 448 up it saturates (E4M3 (fn) has no infinity); NaN is 0x7F whatever its sign.
+  uint32_t code = (subnormal & small) | (normal & ~small);
+  code = (0x7Eu & large) | (code & ~large);
+  return static_cast<uint8_t>((0x7Fu & nan) | ((sign | code) & ~nan));
 }
 
 }  // namespace
