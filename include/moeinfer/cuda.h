@@ -36,9 +36,9 @@ struct CudaMoeOptions {
   // The staged expert-major down (neither sliced nor copying scale codes): the 64-row passes each
   // block makes over the activations it stages once, 1, 2 or 4 forced; nullopt chooses per call.
   std::optional<int> staged_passes = std::nullopt;
-  // The staged expert-major kernels that have both (all but the two-tile gate_up and the sliced
-  // and scale-copying kernels): how many chunks ahead of their MMAs their K loops over NVFP4
-  // weights load, 1 or 2 forced; nullopt: two in layers with NVFP4 experts, else one.
+  // The staged expert-major kernels that have both (all but the sliced and scale-copying
+  // kernels): how many chunks ahead of their MMAs their K loops over NVFP4 weights load, 1 or 2
+  // forced; nullopt: two in layers with NVFP4 experts, else one.
   std::optional<int> staged_ahead = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false

@@ -376,52 +376,60 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, 
       }
     }
   }
+  if constexpr (kStaged && V == 32) {
+    // Step by step: each unit of activations is read just before its two steps, which both
+    // matrices take in turn (each accumulator still sums its steps in order). Each step's A is
+    // decoded once and multiplies every token tile before the next step's is decoded, so that no
+    // decoded A waits in registers for a later tile.
 #pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile) {
-    if (tile > 0 && tile >= tiles) break;  // an item has at least one route
-    if constexpr (kStaged && V == 32) {
-      // Step by step: each unit of activations is read just before its two steps, which both
-      // matrices take in turn (each accumulator still sums its steps in order).
+    for (int u = 0; u < 4; ++u) {
+      uint32_t b[kTiles][4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        uint32_t b[4];
-        load_staged_unit(rows, tile, k0, u, b);
+      for (int tile = 0; tile < kTiles; ++tile) {
+        if (tile == 0 || tile < tiles) load_staged_unit(rows, tile, k0, u, b[tile]);
+      }
 #pragma unroll
-        for (int s = 2 * u; s < 2 * u + 2; ++s) {
+      for (int s = 2 * u; s < 2 * u + 2; ++s) {
 #pragma unroll
-          for (int mi = 0; mi < kMats; ++mi) {
-            const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0),
-                                   decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
-                                   decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1),
-                                   decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
-            mma_bf16_16816(acc[tile][mi], a, b[2 * (s % 2)], b[2 * (s % 2) + 1]);
+        for (int mi = 0; mi < kMats; ++mi) {
+          const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0),
+                                 decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
+                                 decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1),
+                                 decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
+#pragma unroll
+          for (int tile = 0; tile < kTiles; ++tile) {
+            if (tile == 0 || tile < tiles) mma_bf16_16816(acc[tile][mi], a, b[tile][2 * (s % 2)], b[tile][2 * (s % 2) + 1]);
           }
         }
       }
-      continue;
     }
-    uint32_t w[V / 2];
-    if constexpr (kStaged) {
-      load_staged_b<V>(rows.staged + tile * rows.staged_tile, k0 + c * V, w);
-    } else if (tile == 0) {
+  } else {
 #pragma unroll
-      for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
-    } else {
-      load_b<V>(rows.b[tile], k0 + c * V, w);
-    }
+    for (int tile = 0; tile < kTiles; ++tile) {
+      if (tile > 0 && tile >= tiles) break;  // an item has at least one route
+      uint32_t w[V / 2];
+      if constexpr (kStaged) {
+        load_staged_b<V>(rows.staged + tile * rows.staged_tile, k0 + c * V, w);
+      } else if (tile == 0) {
 #pragma unroll
-    for (int mi = 0; mi < kMats; ++mi) {
-      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float(&d)[4] = F == Fmt::kFp8Block ? part : acc[tile][mi];
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
-                               decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
-        mma_bf16_16816(d, a, w[2 * s], w[2 * s + 1]);
+        for (int i = 0; i < V / 2; ++i) w[i] = ch.b0[i];
+      } else {
+        load_b<V>(rows.b[tile], k0 + c * V, w);
       }
-      if constexpr (F == Fmt::kFp8Block) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
+      for (int mi = 0; mi < kMats; ++mi) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float(&d)[4] = F == Fmt::kFp8Block ? part : acc[tile][mi];
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          const uint32_t a[4] = {decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 0), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 0),
+                                 decode<F, V>(ch.raw[mi][0], scale[mi][0], s, 1), decode<F, V>(ch.raw[mi][1], scale[mi][1], s, 1)};
+          mma_bf16_16816(d, a, w[2 * s], w[2 * s + 1]);
+        }
+        if constexpr (F == Fmt::kFp8Block) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[tile][mi][i] += ch.block_scale[mi] * part[i];
+        }
       }
     }
   }
@@ -1231,18 +1239,18 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
 // Whether a staged kernel has a variant whose K loop over an NVFP4 matrix loads two chunks ahead
 // (run_item's kAhead), which the launch runs where ExpertMajorLaunch says so
 // (expert_major_staged_ahead, which follows this). Not where the scale codes come from shared
-// memory (kScaleCopy), the activations in slices (kSliced), nor in the two-tile gate_up, which
-// spilled when held to its 3 blocks per SM with three buffers.
-__host__ __device__ constexpr bool staged_two_ahead(bool gate_up, bool scale_copy, bool sliced, int tiles) {
-  return !(scale_copy || sliced || (gate_up && tiles == 2));
-}
+// memory (kScaleCopy) or the activations in slices (kSliced).
+__host__ __device__ constexpr bool staged_two_ahead(bool scale_copy, bool sliced) { return !(scale_copy || sliced); }
 
 // The blocks per SM a staged kernel is held to (__launch_bounds__): at two chunks ahead, those its
-// registers allowed at one (down 72 registers at one tile: 7; gate_up 119-121, and down at two
-// tiles 96-114: 4), so that the deeper loads cost no warps; at one, no bound (0). The four-pass
-// down was held to 8 (64 registers) until its loop over NVFP4 tiles (v3.17), which spills there.
+// registers allowed at one (down 72 registers at one tile: 7; gate_up 122, and down at two tiles
+// 79-112: 4), so that the deeper loads cost no warps; at one, no bound (0). The two-tile gate_up
+// (128 registers at one ahead, 153 at two) is held to the 3 blocks that its 66 KB of staged
+// activations at K = 2048 leave room for. The four-pass down was held to 8 (64 registers) until
+// its loop over NVFP4 tiles (v3.17), which spills there.
 __host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, [[maybe_unused]] int passes, int ahead) {
   if (ahead == 1) return 0;
+  if (gate_up && tiles == 2) return 3;
   return gate_up || tiles == 2 ? 4 : 7;
 }
 
@@ -1291,7 +1299,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
   static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses <= 2 || !kGateUp);
-  static_assert(kAhead == 1 || (kAhead == 2 && staged_two_ahead(kGateUp, kScaleCopy, kSliced, kTiles)));
+  static_assert(kAhead == 1 || (kAhead == 2 && staged_two_ahead(kScaleCopy, kSliced)));
   if constexpr (kPasses <= 2) {
     run_item<kGateUp, kTiles, false, kScaleCopy, kSliced, kPathAny, kAhead>(
         L, n, ws, ex, item, row0 < rows ? row0 : group_row0, nullptr, row0 < rows, staged);
@@ -1374,7 +1382,9 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       }
     };
     if (tiles == 2) {
-      if (gate_up) {
+      if (gate_up && call.gate_up_ahead == 2) {
+        moe_expert_staged<true, false, false, 2, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      } else if (gate_up) {
         moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else {
         down.template operator()<2>();
@@ -1426,6 +1436,7 @@ cudaError_t prepare_expert_major_kernels() {
     if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStaged2MaxSmem);
   };
   two_tiles(moe_expert_staged<true, false, false, 2>);
+  two_tiles(moe_expert_staged<true, false, false, 2, 1, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 4>);

@@ -304,8 +304,7 @@ inline int expert_major_staged_passes(int forced, int rows, int max_items, int s
 }
 
 // How many chunks ahead of their MMAs the K loops over NVFP4 weights load in the staged kernels
-// that have a two-ahead variant (all but the two-tile gate_up and the sliced and scale-copying
-// kernels): `forced` (1 or 2), else two in layers with NVFP4 experts. Those variants are held to
+// that have a two-ahead variant (all but the sliced and scale-copying kernels): `forced` (1 or 2), else two in layers with NVFP4 experts. Those variants are held to
 // the blocks per SM of the one-ahead kernels and keep FP8 and BF16 loops one ahead, which there
 // measured 0.93-0.96x against the one-ahead kernels (docs/PERF.md v3.14), so layers without
 // NVFP4 experts run the one-ahead kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256.
@@ -458,7 +457,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
     c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4);
   }
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
-  if (c.staged_gate_up && !c.gate_up_sliced && c.group == 8) c.gate_up_ahead = ahead;
+  if (c.staged_gate_up && !c.gate_up_sliced) c.gate_up_ahead = ahead;
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
