@@ -304,10 +304,12 @@ inline int expert_major_staged_passes(int forced, int rows, int max_items, int s
 }
 
 // How many chunks ahead of their MMAs the K loops over NVFP4 weights load in the staged kernels
-// that have a two-ahead variant (all but the sliced and scale-copying kernels): `forced` (1 or 2), else two in layers with NVFP4 experts. Those variants are held to
-// the blocks per SM of the one-ahead kernels and keep FP8 and BF16 loops one ahead, which there
-// measured 0.93-0.96x against the one-ahead kernels (docs/PERF.md v3.14), so layers without
-// NVFP4 experts run the one-ahead kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256.
+// that have a two-ahead variant (all but the sliced and scale-copying kernels): `forced` (1 or 2),
+// else two in layers with NVFP4 experts. Those variants are held to the blocks per SM of the
+// one-ahead kernels and keep FP8 and BF16 loops one ahead, which there measured 0.93-0.96x against
+// the one-ahead kernels (docs/PERF.md v3.14), so layers without NVFP4 experts run the one-ahead
+// kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256; the two-tile gate_up 1.01-1.02x at
+// qwen3-30b N = 256 (v3.27).
 inline int expert_major_staged_ahead(int forced, bool nvfp4) {
   if (forced == 1 || forced == 2) return forced;
   return nvfp4 ? 2 : 1;
