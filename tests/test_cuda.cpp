@@ -191,11 +191,14 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // - sliced (K past 3008, activations staged 1024 columns at a time): gate_up at K = 3088 (K % 32
 //   == 16, its tail the only columns of the last slice) and at K = 4096 (whole slices); down at
 //   K = 3200 for the routed experts (the last slice one NVFP4 chunk) and 2112 for the shared
-//   expert (fewer slices than the launch is sized for, its tail again a slice of its own).
+//   expert (fewer slices than the launch is sized for, its tail again a slice of its own);
+// - two-tile slices: gate_up at K = 1152, which stages whole but whose two-tile gate_up stages
+//   512 columns at a time: two whole slices and a last one of one NVFP4 chunk.
 // Calls keep one token tile per item up to N = 16 (8 routes per expert on average). Past it, where
 // both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
-// routes make a full item and a partial one; N = 32: 16 routes per expert on average); elsewhere,
-// and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
+// routes make a full item and a partial one; N = 32: 16 routes per expert on average), gate_up
+// staged in slices; elsewhere, and with the staged kernels forbidden, N = 24 and 32 run 4 token
+// tiles, split-K.
 // The staged calls run three times: down blocks of one pass of 64 rows, of two and of four passes
 // over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
 // one). The ragged shape's 272 down rows leave the last two- and four-pass blocks a partial first
@@ -217,9 +220,12 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
                                                                      .top_k = 4, .shared_intermediate = 64});
   const LayerDesc sliced_down = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 3200, .num_experts = 8,
                                                                   .top_k = 4, .shared_intermediate = 2112});
+  const LayerDesc two_tile_slices = family_layer(Family::kQwen3Next, {.hidden = 1152, .intermediate = 128,
+                                                                      .num_experts = 8, .top_k = 4,
+                                                                      .shared_intermediate = 64});
   ASSERT_TRUE(cuda::expert_major_stages_scales(2048, 1));
   int checked = 0;
-  for (const LayerDesc& d : {ragged, aligned, long_down, sliced_gate_up, sliced_aligned, sliced_down}) {
+  for (const LayerDesc& d : {ragged, aligned, long_down, sliced_gate_up, sliced_aligned, sliced_down, two_tile_slices}) {
     const bool gate_up_sliced = !cuda::expert_major_staged_fits(static_cast<int>(d.hidden));
     const bool down_sliced = !cuda::expert_major_staged_fits(static_cast<int>(d.intermediate));
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
@@ -263,7 +269,8 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
               EXPECT_EQ(config.rfind(fmt::format("{} routes/item, gate_up staged", group), 0), 0u) << what << ": " << config;
               EXPECT_NE(config.find(", down staged"), std::string::npos) << what << ": " << config;
             }
-            EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos, staged && group == 8 && gate_up_sliced)
+            EXPECT_EQ(config.find("gate_up staged+slices") != std::string::npos,
+                      staged && (group == 16 || (group == 8 && gate_up_sliced)))
                 << what << ": " << config;
             EXPECT_EQ(config.find("down staged+slices") != std::string::npos, staged && group == 8 && down_sliced)
                 << what << ": " << config;
@@ -280,7 +287,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
             }
             // Two ahead wherever the staged kernel has that variant (staged_two_ahead), forced.
             EXPECT_EQ(config.find("gate_up staged (2 ahead)") != std::string::npos,
-                      staged && ahead == 2 && group != cuda::kExpertMajorGroup && !(group == 8 && gate_up_sliced))
+                      staged && ahead == 2 && group == 8 && !gate_up_sliced)
                 << what << ": " << config;
             const bool down_two = staged && ahead == 2 && group != cuda::kExpertMajorGroup && !(group == 8 && down_sliced) &&
                                   !scale_copy;
@@ -302,7 +309,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       }
     }
   }
-  EXPECT_EQ(checked, 7 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
+  EXPECT_EQ(checked, 8 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
 }
 
 // The router's logits on the tensor cores (x in three bf16 parts, fp32 sums) against the CUDA-core
@@ -1090,10 +1097,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
   EXPECT_EQ(choice(qwen, 128), "8 257 S2");   // 16 x 257 = 4112
-  EXPECT_EQ(choice(qwen, 256), "16 257 S2");  // 16 routes per expert: two token tiles, staged
+  EXPECT_EQ(choice(qwen, 256), "16 257 L2");  // 16 routes per expert: two token tiles, gate_up in slices
   qwen.nvfp4 = true;
   EXPECT_EQ(choice(qwen, 128), "8 257 S2");
-  EXPECT_EQ(choice(qwen, 256), "16 257 S2");
+  EXPECT_EQ(choice(qwen, 256), "16 257 L2");
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
@@ -1108,11 +1115,11 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(forced_on, 1), "8 8 SS");
   EXPECT_EQ(choice(passes_forced(forced_on, 2), 1), "8 8 S2");  // forced: however small the grid
   EXPECT_EQ(choice(passes_forced(forced_on, 4), 1), "8 8 S4");
-  EXPECT_EQ(choice(passes_forced(qwen, 1), 256), "16 257 SS");
+  EXPECT_EQ(choice(passes_forced(qwen, 1), 256), "16 257 LS");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 64), "8 193 S2");
-  EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 S2");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
-  EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 S4");
+  EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 L4");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sb");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;
@@ -1191,14 +1198,14 @@ TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
   EXPECT_EQ(ahead(qwen, 1), "11");    // split-K both
   EXPECT_EQ(ahead(qwen, 8), "12");    // gate_up split-K, down staged
   EXPECT_EQ(ahead(qwen, 64), "22");
-  EXPECT_EQ(ahead(qwen, 256), "22");  // two token tiles
+  EXPECT_EQ(ahead(qwen, 256), "12");  // two token tiles: gate_up in slices, one ahead
   cuda::DevLayer one = qwen;
   one.staged_ahead = 1;
   EXPECT_EQ(ahead(one, 64), "11");
   cuda::DevLayer two = qwen;
   two.nvfp4 = false, two.staged_ahead = 2;
   EXPECT_EQ(ahead(two, 64), "22");
-  EXPECT_EQ(ahead(two, 256), "22");
+  EXPECT_EQ(ahead(two, 256), "12");
   // DeepSeek-V3: gate_up staged only in slices (forced), down copying NVFP4 scale codes: neither
   // kernel has the variant; without NVFP4 experts its down has it.
   cuda::DevLayer ds;

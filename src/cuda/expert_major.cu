@@ -446,10 +446,11 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
                                 float (&acc)[kTiles][kMats][4]) {
   constexpr int V = kMainRun<F>;
   constexpr unsigned kChunk = 4 * V;
-  constexpr int kSliceChunks = kExpertMajorSliceCols / kChunk;
+  constexpr int kSliceCols = expert_major_slice_cols(kTiles);
+  constexpr int kSliceChunks = kSliceCols / kChunk;
   static_assert(kSliceChunks % 2 == 0);  // a slice starts at an even chunk, the loop's step
   const int chunks = K / kChunk;
-  const int slices = (K + kExpertMajorSliceCols - 1) / kExpertMajorSliceCols;
+  const int slices = (K + kSliceCols - 1) / kSliceCols;
   const auto enter_slice = [&](int slice) {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -468,13 +469,13 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   // `at` is `rows` with the staged activations of the slice that starts at column base.
   LaneRows<kMats, kTiles> at = rows;
   const auto point_at = [&](int slice) {
-    const int buffer = slice % 2 * kExpertMajorSliceBytes;
+    const int buffer = slice % 2 * expert_major_slice_bytes(kTiles);
     at.staged = rows.staged + buffer, at.staged_lo = rows.staged_lo + buffer, at.staged_hi = rows.staged_hi + buffer;
   };
   for (int slice = 0; slice * kSliceChunks < chunks; ++slice) {
     if (slice > 0) enter_slice(slice);
     point_at(slice);
-    const unsigned base = slice * kExpertMajorSliceCols;
+    const unsigned base = slice * kSliceCols;
     const int end = chunks < (slice + 1) * kSliceChunks ? chunks : (slice + 1) * kSliceChunks;
     for (int i = slice * kSliceChunks; i < end; i += 2) {
       if (i + 1 < chunks) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, (i + 1) * kChunk, odd);
@@ -488,13 +489,13 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   const unsigned tail0 = chunks * kChunk;
   const int tail_steps = (K - static_cast<int>(tail0)) / 16;
   if (tail_steps == 0) return;
-  const int slice = static_cast<int>(tail0 / kExpertMajorSliceCols);
-  if (tail0 > 0 && tail0 % kExpertMajorSliceCols == 0) enter_slice(slice);
+  const int slice = static_cast<int>(tail0 / kSliceCols);
+  if (tail0 > 0 && tail0 % kSliceCols == 0) enter_slice(slice);
   point_at(slice);
   for (int s = 0; s < tail_steps; ++s) {
     Chunk<F, 4, kMats> tail;
     load_chunk<F, 4, kMats, kTiles, kAligned16, true>(rows, tail0 + 16 * s, tail);
-    mma_chunk<F, 4, kMats, kTiles, true>(tail, at, tail0 + 16 * s - slice * kExpertMajorSliceCols, tiles, acc);
+    mma_chunk<F, 4, kMats, kTiles, true>(tail, at, tail0 + 16 * s - slice * kSliceCols, tiles, acc);
   }
 }
 
@@ -796,7 +797,7 @@ __device__ __forceinline__ void item_sums(const DevLayer& L, int n, const DevWor
   }
   smem_scales = smem_scales && aligned16;
   rows.chunk_stride = mats[0]->tiled ? kTileBytes : kTileRowBytes;  // gate and up are tiled alike (the upload)
-  const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? kExpertMajorSliceCols : K);
+  const int staged_row_bytes = expert_major_staged_row_bytes(kSliced ? expert_major_slice_cols(kTiles) : K);
   rows.staged = kSplit ? nullptr : staged + gid * staged_row_bytes;
   if constexpr (!kSplit) {  // units 4c + i lie at 4c + (i ^ 2b), b = bit 3 of 4c (staged_unit)
     const uint32_t row = static_cast<uint32_t>(rows.staged - staged);
@@ -818,10 +819,10 @@ __device__ __forceinline__ void item_sums(const DevLayer& L, int n, const DevWor
   const uint16_t* stage_src = nullptr;
   const auto stage = [&]([[maybe_unused]] int slice = 0) {
     if constexpr (kSliced) {
-      constexpr unsigned kUnits = kExpertMajorSliceCols / 8;
+      constexpr unsigned kUnits = expert_major_slice_cols(kTiles) / 8;
       if (slice == 0) stage_src = staged_source<kGateUp>(L, n, ws, item, per_column);
       const unsigned u0 = slice * kUnits, end = K / 8;
-      stage_units(stage_src, u0, u0 + kUnits < end ? u0 + kUnits : end, staged + slice % 2 * kExpertMajorSliceBytes,
+      stage_units(stage_src, u0, u0 + kUnits < end ? u0 + kUnits : end, staged + slice % 2 * expert_major_slice_bytes(kTiles),
                   staged_row_bytes, per_column);
       asm volatile("cp.async.commit_group;" ::: "memory");
     } else if constexpr (!kSplit) {
@@ -1296,7 +1297,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
   const int group_row0 = blockIdx.x * kPasses * kExpertMajorStagedRows;
   if (group_row0 >= rows) return;
   const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;  // this warp's rows in the first pass
-  static_assert(kTiles == 1 || (!kScaleCopy && !kSliced));
+  static_assert(kTiles == 1 || !kScaleCopy);
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
   static_assert(kPasses <= 2 || !kGateUp);
   static_assert(kAhead == 1 || (kAhead == 2 && staged_two_ahead(kScaleCopy, kSliced)));
@@ -1382,7 +1383,9 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       }
     };
     if (tiles == 2) {
-      if (gate_up && call.gate_up_ahead == 2) {
+      if (gate_up && call.gate_up_sliced) {
+        moe_expert_staged<true, false, true, 2><<<grid, kWarps * kWarp, 2 * expert_major_slice_bytes(2), stream>>>(L, n, ws);
+      } else if (gate_up && call.gate_up_ahead == 2) {
         moe_expert_staged<true, false, false, 2, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else if (gate_up) {
         moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);

@@ -214,8 +214,14 @@ __host__ __device__ constexpr int expert_major_staged_row_bytes(int K) { return 
 __host__ __device__ constexpr bool expert_major_staged_fits(int K) {
   return 8 * expert_major_staged_row_bytes(K) <= kExpertMajorStagedMaxBytes;
 }
-// One buffer of a sliced staged block: 8 token rows of kExpertMajorSliceCols columns.
-inline constexpr int kExpertMajorSliceBytes = 8 * expert_major_staged_row_bytes(kExpertMajorSliceCols);
+// The columns of one slice at `tiles` token tiles: kExpertMajorSliceCols / tiles, so that a buffer
+// of 8 x tiles token rows holds about the same bytes.
+__host__ __device__ constexpr int expert_major_slice_cols(int tiles) { return kExpertMajorSliceCols / tiles; }
+// One buffer of a sliced staged block of `tiles` token tiles.
+__host__ __device__ constexpr int expert_major_slice_bytes(int tiles) {
+  return 8 * tiles * expert_major_staged_row_bytes(expert_major_slice_cols(tiles));
+}
+inline constexpr int kExpertMajorSliceBytes = expert_major_slice_bytes(1);
 
 // Whether a staged GEMM of `mats` matrices (2: gate_up, 1: down) over K inputs copies its NVFP4
 // scale codes into shared memory with the activations, once per block, instead of loading 8 bytes
@@ -450,7 +456,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.down_blend_ways = expert_major_down_blend_ways(L, n, down_stages, c.group, c.max_items);
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
   c.staged_down = down_stages && c.down_blend_ways == 0;
-  c.gate_up_sliced = c.staged_gate_up && !expert_major_staged_fits(L.hidden);
+  c.gate_up_sliced = c.staged_gate_up && (!expert_major_staged_fits(L.hidden) || c.group == 16);
   c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
   // Scale tiles already bring a warp's codes in one coalesced load per chunk.
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
