@@ -435,9 +435,9 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, 
   }
 }
 
-// The staged K loop of mma_rows where the layer's K is past expert_major_staged_fits: the
-// activations go through two shared-memory buffers a slice (kExpertMajorSliceCols columns) at a
-// time. `stage(s)` copies slice s into buffer s % 2 and commits it; slice s + 1 is copied while
+// The staged K loop of mma_rows where the activations are staged in slices (the layer's K past
+// expert_major_staged_fits, or the two-tile gate_up): they go through two shared-memory buffers a
+// slice (expert_major_slice_cols(kTiles) columns) at a time. `stage(s)` copies slice s into buffer s % 2 and commits it; slice s + 1 is copied while
 // the warps run slice s, and entering slice s waits for its copy and for every warp to have left
 // slice s - 1, whose buffer then takes slice s + 1. Every warp of the block runs the same K
 // (one item), so every warp reaches every barrier.
@@ -725,7 +725,8 @@ __host__ __device__ constexpr int item_mats(bool gate_up, bool pairs) { return g
 // kScaleCopy (staged down only): the block also copies its NVFP4 scale codes into shared memory
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
-// staged a slice at a time (the layer's K is past expert_major_staged_fits). `copy` false (staged,
+// staged a slice at a time (the layer's K is past expert_major_staged_fits, or the two-tile
+// gate_up). `copy` false (staged,
 // neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
 // the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
 // kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
@@ -1246,9 +1247,10 @@ __host__ __device__ constexpr bool staged_two_ahead(bool scale_copy, bool sliced
 // The blocks per SM a staged kernel is held to (__launch_bounds__): at two chunks ahead, those its
 // registers allowed at one (down 72 registers at one tile: 7; gate_up 122, and down at two tiles
 // 79-112: 4), so that the deeper loads cost no warps; at one, no bound (0). The two-tile gate_up
-// (128 registers at one ahead, 153 at two) is held to the 3 blocks that its 66 KB of staged
-// activations at K = 2048 leave room for. The four-pass down was held to 8 (64 registers) until
-// its loop over NVFP4 tiles (v3.17), which spills there.
+// staged whole (128 registers at one ahead, 153 at two) is held to the 3 blocks that its 66 KB of
+// staged activations at K = 2048 leave room for; calls no longer launch it (ExpertMajorLaunch
+// stages the two-tile gate_up in slices, 125 registers). The four-pass down was held to 8 (64
+// registers) until its loop over NVFP4 tiles (v3.17), which spills there.
 __host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, [[maybe_unused]] int passes, int ahead) {
   if (ahead == 1) return 0;
   if (gate_up && tiles == 2) return 3;
@@ -1278,10 +1280,10 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 // work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of each 64-row pass over the whole
 // K, the item's activations staged once per block in shared memory (kTile x
 // expert_major_staged_row_bytes(K) bytes per token tile, or with kSliced two buffers of
-// kExpertMajorSliceBytes that the slices take in turn) and read by both passes. Warps past the
+// expert_major_slice_bytes(kTiles) that the slices take in turn) and read by both passes. Warps past the
 // matrix's rows in the first pass compute a copy of the group's first rows and store nothing:
 // every warp reaches every staging barrier; the later passes have none, and such warps skip them.
-// kScaleCopy, kSliced (one tile, one pass only): see run_item. Down only past two passes. Two
+// kScaleCopy (one tile), kSliced (one pass only): see run_item. Down only past two passes. Two
 // passes are two calls of run_item, each choosing its K loop (71 registers at one token tile,
 // against 79 with the loop chosen once for the block); four choose it once per block (weight_path)
 // and loop over the passes on it: around run_item's own choice a loop took twice the registers

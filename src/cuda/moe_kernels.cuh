@@ -198,9 +198,11 @@ inline int expert_major_max_items(int routes, int experts, int group = 8) {
 
 // The staged expert-major kernels (one or two token tiles per item): 64 output rows per block, 4
 // warps of 16 each over the whole K, the item's 8 or 16 token columns copied once into shared
-// memory: the whole K where it fits kExpertMajorStagedMaxBytes (per 8 columns), else (one tile
-// only) in slices of kExpertMajorSliceCols columns through two buffers (the next slice copied
-// while the warps run this one).
+// memory: the whole K where it fits kExpertMajorStagedMaxBytes (per 8 columns), else in slices of
+// kExpertMajorSliceCols / tiles columns through two buffers (the next slice copied while the warps
+// run this one). The two-tile gate_up always runs in slices of 512 columns: its 2 x 16.6 KB let 4
+// blocks share an SM where the whole K = 2048 (66 KB) let 3, and 4 at its 125 registers measured
+// 1.05x per call at qwen3-30b N = 256 (docs/PERF.md v3.27).
 inline constexpr int kExpertMajorStagedRows = 64;
 inline constexpr int kExpertMajorStagedMaxBytes = 48 * 1024;  // shared memory without opting in
 inline constexpr int kExpertMajorSliceCols = 1024;            // a multiple of every format's chunk (128, 64, 32)
@@ -314,8 +316,7 @@ inline int expert_major_staged_passes(int forced, int rows, int max_items, int s
 // else two in layers with NVFP4 experts. Those variants are held to the blocks per SM of the
 // one-ahead kernels and keep FP8 and BF16 loops one ahead, which there measured 0.93-0.96x against
 // the one-ahead kernels (docs/PERF.md v3.14), so layers without NVFP4 experts run the one-ahead
-// kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256; the two-tile gate_up 1.01-1.02x at
-// qwen3-30b N = 256 (v3.27).
+// kernels. NVFP4, two against one: 1.01-1.06x at qwen3 N = 16-256.
 inline int expert_major_staged_ahead(int forced, bool nvfp4) {
   if (forced == 1 || forced == 2) return forced;
   return nvfp4 ? 2 : 1;
@@ -416,7 +417,7 @@ inline int expert_major_down_blend_rounds(int ways, int max_items) {
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
-// expert_major_staged_fits), and whether the staged down copies its NVFP4 scale codes into shared
+// expert_major_staged_fits, and the two-tile gate_up), and whether the staged down copies its NVFP4 scale codes into shared
 // memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts and no
 // weight tiles), and
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
