@@ -28,16 +28,11 @@
 #include <cstdlib>
 #include <vector>
 
+#include "probe_common.cuh"
+
 namespace {
 
-#define CHECK(call)                                                                                  \
-  do {                                                                                               \
-    cudaError_t e_ = (call);                                                                         \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
+using probe::load_stream, probe::median_ms;
 
 constexpr int kWarp = 32;
 constexpr int64_t kTotalBytes = int64_t{256} << 20;
@@ -77,14 +72,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
                "r"(bytes), "r"(bar)
                : "memory");
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
 }
 
 // `fmas` FMAs on four chains seeded from x (so the work waits for the bytes).
@@ -192,29 +179,6 @@ __global__ void stream_kernel(const uint4* data, int64_t count, float* sink) {
     for (int j = 0; j < 4; ++j) x ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
   }
   if (x == 12345u) sink[blockIdx.x] = static_cast<float>(x);
-}
-
-template <typename Launch>
-float median_ms(Launch launch) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  launch();  // warm-up
-  std::vector<float> ms;
-  for (int i = 0; i < 9; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CHECK(cudaGetLastError());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 double gbs(int64_t bytes, float ms) { return bytes / (ms * 1e-3) / 1e9; }

@@ -26,17 +26,11 @@
 #include <vector>
 
 #include "cuda/weight_tiles.h"  // the tile layout the kernels read (kTileBytes, kScaleTileBytes)
+#include "probe_common.cuh"
 
 namespace {
 
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+using probe::load_stream, probe::median_ms;
 
 constexpr int kWarp = 32;
 constexpr int kWarps = 4;        // per block, each on its own 16 rows
@@ -60,13 +54,6 @@ struct Params {
   int64_t expert_code_bytes, expert_scale_bytes;
   float* sink;
 };
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 template <int kMats>
 struct Chunk {
@@ -165,27 +152,6 @@ __global__ void stream_kernel(const float4* data, int64_t count, float* sink) {
     acc += v.x + v.y + v.z + v.w;
   }
   if (acc == 12345.0f) sink[blockIdx.x] = acc;
-}
-
-template <typename Launch>
-float median_ms(Launch launch) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  launch();  // warm-up
-  std::vector<float> ms;
-  for (int i = 0; i < 9; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 template <int kMats, int kAhead, bool kTiled>
