@@ -1,6 +1,6 @@
 // What the probes in tools/ share (not part of the library): a CUDA status check that exits with
-// the failing call named, the streaming 16-byte load the kernels use for weights (no L1 line), and
-// the median time of 9 launches after a warm-up.
+// the failing call named, the streaming 16-byte load the kernels use for weights (no L1 line),
+// stand-in work, and the median time of 9 launches after a warm-up.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,6 +28,20 @@ __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+}
+
+// Stand-in work for a kernel's decode and MMAs: `fmas` FMAs in four independent chains seeded from
+// x (so that the work waits for the bytes x came from), added into acc.
+__device__ __forceinline__ void fma_work(uint32_t x, int fmas, float (&acc)[4]) {
+  float f[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = __uint_as_float((x >> i & 0x007FFFFFu) | 0x3F800000u);
+  for (int i = 0; i < fmas; i += 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f[j] = fmaf(f[j], 0.999f, 0.001f);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += f[i];
 }
 
 // The median of 9 timed launches (CUDA events) after one warm-up, in ms.

@@ -32,7 +32,7 @@
 
 namespace {
 
-using probe::load_stream, probe::median_ms;
+using probe::fma_work, probe::load_stream, probe::median_ms;
 
 constexpr int kWarp = 32;
 constexpr int64_t kTotalBytes = int64_t{256} << 20;
@@ -72,19 +72,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
                "r"(bytes), "r"(bar)
                : "memory");
-}
-
-// `fmas` FMAs on four chains seeded from x (so the work waits for the bytes).
-__device__ __forceinline__ void consume(uint32_t x, int fmas, float (&acc)[4]) {
-  float f[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = __uint_as_float((x >> i & 0x007FFFFFu) | 0x3F800000u);
-  for (int i = 0; i < fmas; i += 4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) f[j] = fmaf(f[j], 0.999f, 0.001f);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += f[i];
 }
 
 template <int kConsumers>
@@ -130,7 +117,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * kWarp) ring_kernel(Params p
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
-    consume(x, fmas, acc);
+    fma_work(x, fmas, acc);
   }
   const float total = acc[0] + acc[1] + acc[2] + acc[3];
   if (total == 12345.0f) p.sink[blockIdx.x] = total;  // never true; keeps the reads
@@ -161,7 +148,7 @@ __global__ void regs_kernel(Params p) {
         ahead[j][0] = load_stream(src + 1024 * (i + j + kAhead));
         ahead[j][1] = load_stream(src + 1024 * (i + j + kAhead) + 512);
       }
-      consume(x, p.work, acc);
+      fma_work(x, p.work, acc);
     }
   }
   const float total = acc[0] + acc[1] + acc[2] + acc[3];

@@ -104,16 +104,7 @@ __device__ __forceinline__ void consume(const Chunk<kMats>& ch, int work, float 
     for (int r = 0; r < 2; ++r) x ^= ch.w[mi][r].x ^ ch.w[mi][r].y ^ ch.w[mi][r].z ^ ch.w[mi][r].w;
     x ^= ch.s[mi];
   }
-  // Four independent chains of work / 4 FMAs each, seeded from the data (so they wait for it).
-  float f[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = __uint_as_float((x >> i & 0x007FFFFFu) | 0x3F800000u);
-  for (int i = 0; i < work; i += 4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) f[j] = fmaf(f[j], 0.999f, 0.001f);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  probe::fma_work(x, work, acc);  // four independent chains of work / 4 FMAs each
 }
 
 // Grid: touched experts x row groups. Block: 4 warps; warp w owns rows 16w .. 16w + 15 of each
