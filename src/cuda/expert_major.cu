@@ -437,9 +437,10 @@ __device__ __forceinline__ void mma_chunk(const Chunk<F, V, kMats, kTiled>& ch, 
 
 // The staged K loop of mma_rows where the activations are staged in slices (the layer's K past
 // expert_major_staged_fits, or the two-tile gate_up): they go through two shared-memory buffers a
-// slice (expert_major_slice_cols(kTiles) columns) at a time. `stage(s)` copies slice s into buffer s % 2 and commits it; slice s + 1 is copied while
-// the warps run slice s, and entering slice s waits for its copy and for every warp to have left
-// slice s - 1, whose buffer then takes slice s + 1. Every warp of the block runs the same K
+// slice (expert_major_slice_cols(kTiles) columns) at a time. `stage(s)` copies slice s into buffer
+// s % 2 and commits it; slice s + 1 is copied while the warps run slice s, and entering slice s
+// waits for its copy and for every warp to have left slice s - 1, whose buffer then takes slice
+// s + 1. Every warp of the block runs the same K
 // (one item), so every warp reaches every barrier.
 template <Fmt F, int kMats, int kTiles, bool kAligned16, bool kTiled, typename Stage>
 __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int tiles, const Stage& stage,
@@ -726,8 +727,8 @@ __host__ __device__ constexpr int item_mats(bool gate_up, bool pairs) { return g
 // where the expert's matrix allows it. A template parameter, so that the other kernels carry
 // neither the second main loop nor its registers. kSliced (staged only): the activations are
 // staged a slice at a time (the layer's K is past expert_major_staged_fits, or the two-tile
-// gate_up). `copy` false (staged,
-// neither kScaleCopy nor kSliced): the block's activations are in shared memory already. kPath:
+// gate_up). `copy` false (staged, neither kScaleCopy nor kSliced): the block's activations are in
+// shared memory already. kPath:
 // the K loop, weight_path's for the expert, where the caller fixed it (kPathAny: chosen here).
 // kAhead: how many chunks ahead of their MMAs the K loop of an NVFP4 matrix loads (mma_rows; 1
 // wherever kScaleCopy or kSliced; the staged kernels' choice, staged_two_ahead). FP8 and BF16
@@ -1280,9 +1281,10 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 // work items); block: 4 warps, warp w on rows 16w .. 16w + 15 of each 64-row pass over the whole
 // K, the item's activations staged once per block in shared memory (kTile x
 // expert_major_staged_row_bytes(K) bytes per token tile, or with kSliced two buffers of
-// expert_major_slice_bytes(kTiles) that the slices take in turn) and read by both passes. Warps past the
-// matrix's rows in the first pass compute a copy of the group's first rows and store nothing:
-// every warp reaches every staging barrier; the later passes have none, and such warps skip them.
+// expert_major_slice_bytes(kTiles) that the slices take in turn) and read by both passes. Warps
+// past the matrix's rows in the first pass compute a copy of the group's first rows and store
+// nothing: every warp reaches every staging barrier; the later passes have none, and such warps
+// skip them.
 // kScaleCopy (one tile), kSliced (one pass only): see run_item. Down only past two passes. Two
 // passes are two calls of run_item, each choosing its K loop (71 registers at one token tile,
 // against 79 with the loop chosen once for the block); four choose it once per block (weight_path)

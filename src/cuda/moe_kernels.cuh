@@ -417,9 +417,9 @@ inline int expert_major_down_blend_rounds(int ways, int max_items) {
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
-// expert_major_staged_fits, and the two-tile gate_up), and whether the staged down copies its NVFP4 scale codes into shared
-// memory (expert_major_stages_scales for the layer's K, where the layer has NVFP4 experts and no
-// weight tiles), and
+// expert_major_staged_fits, and the two-tile gate_up), and whether the staged down copies its
+// NVFP4 scale codes into shared memory (expert_major_stages_scales for the layer's K, where the
+// layer has NVFP4 experts and no weight tiles), and
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
 // (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
