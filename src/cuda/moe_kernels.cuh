@@ -324,7 +324,10 @@ inline int expert_major_staged_ahead(int forced, bool nvfp4) {
 
 // Whether both GEMMs of an expert-major call may run the staged kernels with their activations
 // staged whole (K = hidden for gate_up, act_stride for down), and `mode` does not forbid them:
-// where the two-tile kernels can run (sliced staging has one tile only).
+// where the two-tile kernels run. The two-tile down stages whole (it has no sliced variant); the
+// two-tile gate_up stages in slices at any K, but is held to the same K, where it was measured
+// (sliced at DeepSeek-V3's K = 7168, one tile, it ran 0.77-0.97x against split-K, docs/PERF.md
+// v3.11).
 inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
   return mode != 0 && expert_major_staged_fits(hidden > act_stride ? hidden : act_stride);
 }
