@@ -197,9 +197,10 @@ TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
   }
 }
 
-// cpu_row_dots (weights decoded in registers and dotted with up to 4 tokens at once, else a
-// decoded row and one dot per token) against the format's own decoder and a double-precision
-// dot, for every format, ragged widths, 1 to 6 tokens, and outputs poisoned first. The
+// cpu_row_dots (weights decoded in registers once per tile of up to 8 tokens, else a decoded row
+// and one dot per token) against the format's own decoder and a double-precision dot, for every
+// format, ragged widths, 1 to 19 tokens and 37 (every tile size, whole and ragged tilings), and
+// outputs poisoned first. The
 // tolerance is fp32 summation over `cols` terms in another order: 1e-5 of the sum of
 // |w x|.
 TEST(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
@@ -216,9 +217,9 @@ TEST(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
       for (size_t i = 0; i < values.size(); i += 7) values[i] *= 50.0f;  // scales across a range
       QuantMatrix m = take(QuantMatrix::quantize(values, rows, cols, spec));
       if (spec.format == WeightFormat::kNVFP4) m.global_scale = 0.375f;
-      const std::vector<float> x = make_tokens(6, stride, 99);
+      const std::vector<float> x = make_tokens(37, stride, 99);
       std::vector<float> row(static_cast<size_t>(cols)), scratch;
-      for (int64_t tokens = 1; tokens <= 6; ++tokens) {
+      for (int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 37}) {
         for (int64_t r = 0; r < rows; ++r) {
           m.dequantize_row(r, row.data());
           std::vector<float> got(static_cast<size_t>(tokens), std::nanf(""));

@@ -144,70 +144,132 @@ MOEINFER_AVX2 inline void fma_tokens(__m256 (&acc)[M], __m256 w, const float* x,
   for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + j * stride), acc[j]);
 }
 
-// out[j] = row r of m . (x + j * stride), j < M: every weight decoded once, in registers, and
-// used by all M tokens (no row buffer). Columns past the last 8 go one at a time.
+// The row_dots_*_avx2<M> below: out[j] = row r of m . (x + j * stride), j < M <= kCpuTokenTile,
+// every weight decoded once, in registers, and used by all M tokens (no row buffer). Each format
+// has a function of its own, with its accumulators local to it: in one function with a switch
+// over the formats, GCC kept them on the stack, which put a store and a reload on every
+// accumulator's chain of FMAs (BF16 at one token ran at half the speed of four).
+
+// acc + group g of a row's NVFP4 codes (2 * E2M1) . the token x there, times half the block scale.
+MOEINFER_AVX2 inline __m256 nvfp4_one_token_avx2(const uint8_t* codes, float half_block, const float* x, int64_t g,
+                                                 __m256 acc) {
+  const Floats16 twice = nvfp4_twice_avx2(codes + g * kNvfp4Group / 2);
+  const __m256 low = _mm256_mul_ps(twice.first, _mm256_loadu_ps(x + g * kNvfp4Group));
+  const __m256 part = _mm256_fmadd_ps(twice.second, _mm256_loadu_ps(x + g * kNvfp4Group + 8), low);
+  return _mm256_fmadd_ps(part, _mm256_set1_ps(half_block), acc);
+}
+
+// NVFP4. The global scale is applied once at the end. 2 * E2M1 times half the block scale is
+// exact (at most 8 significant bits), so every product is a weight of the reference row (before
+// the global scale) times a token value.
 template <int M>
-MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
+MOEINFER_AVX2 void row_dots_nvfp4_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
+  const int64_t groups = m.cols / kNvfp4Group;
+  const float* halves = e4m3_halves();
+  const uint8_t* block = m.block_scales.data() + r * groups;
+  const uint8_t* codes = m.data.data() + r * m.cols / 2;
+  if constexpr (M == 1) {
+    // One token: the integers times the token, and that sum times the scale (3 operations per
+    // 16 weights). Even and odd groups go to two accumulators, so that neither chain of FMAs
+    // sets the pace.
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      even = nvfp4_one_token_avx2(codes, halves[block[g]], x, g, even);
+      odd = nvfp4_one_token_avx2(codes, halves[block[g + 1]], x, g + 1, odd);
+    }
+    if (g < groups) even = nvfp4_one_token_avx2(codes, halves[block[g]], x, g, even);
+    out[0] = sum8(_mm256_mul_ps(_mm256_add_ps(even, odd), _mm256_set1_ps(m.global_scale)));
+  } else {
+    // Several tokens: the 16 weights scaled once (2 multiplies), then 2 FMAs per token. Up to
+    // 4 tokens the second half of each group goes to a second accumulator, so that each
+    // accumulator waits on one FMA per group, not two.
+    constexpr int kSplit = M <= 4 ? 2 : 1;
+    __m256 acc[kSplit][M];
+    for (int i = 0; i < kSplit; ++i) {
+      for (int j = 0; j < M; ++j) acc[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const Floats16 twice = nvfp4_twice_avx2(codes + g * kNvfp4Group / 2);
+      const __m256 scale = _mm256_set1_ps(halves[block[g]]);
+      const __m256 w0 = _mm256_mul_ps(twice.first, scale), w1 = _mm256_mul_ps(twice.second, scale);
+      for (int j = 0; j < M; ++j) {
+        const float* xj = x + j * stride + g * kNvfp4Group;
+        acc[0][j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xj), acc[0][j]);
+        acc[kSplit - 1][j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xj + 8), acc[kSplit - 1][j]);
+      }
+    }
+    for (int j = 0; j < M; ++j) {
+      const __m256 sum = kSplit == 2 ? _mm256_add_ps(acc[0][j], acc[kSplit - 1][j]) : acc[0][j];
+      out[j] = sum8(_mm256_mul_ps(sum, _mm256_set1_ps(m.global_scale)));
+    }
+  }
+}
+
+// FP8: each span's values x 2^-8 times the tokens, then that sum times 2^8 and the span's scale.
+template <int M>
+MOEINFER_AVX2 void row_dots_fp8_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
+  const uint8_t* codes = m.data.data() + r * m.cols;
   __m256 acc[M];
   float tail[M];
   for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps(), tail[j] = 0.0f;
-  switch (m.spec.format) {
-    case WeightFormat::kNVFP4: {
-      // Per group: the 2 * E2M1 integers times each token, that sum times half the block scale;
-      // the global scale once at the end.
-      const int64_t groups = m.cols / kNvfp4Group;
-      const float* halves = e4m3_halves();
-      const uint8_t* block = m.block_scales.data() + r * groups;
-      const uint8_t* codes = m.data.data() + r * m.cols / 2;
-      for (int64_t g = 0; g < groups; ++g) {
-        const Floats16 twice = nvfp4_twice_avx2(codes + g * kNvfp4Group / 2);
-        const __m256 scale = _mm256_set1_ps(halves[block[g]]);
-        for (int j = 0; j < M; ++j) {
-          const float* xj = x + j * stride + g * kNvfp4Group;
-          const __m256 low = _mm256_mul_ps(twice.first, _mm256_loadu_ps(xj));
-          const __m256 part = _mm256_fmadd_ps(twice.second, _mm256_loadu_ps(xj + 8), low);
-          acc[j] = _mm256_fmadd_ps(part, scale, acc[j]);
-        }
-      }
-      for (int j = 0; j < M; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(m.global_scale));
-      break;
+  for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
+    const float scale = m.fp8_span_scale(r, c0, &c1);
+    __m256 span[M];
+    for (int j = 0; j < M; ++j) span[j] = _mm256_setzero_ps();
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+      const Floats16 v = fp8_16_avx2(codes + c);
+      fma_tokens<M>(span, v.first, x + c, stride);
+      fma_tokens<M>(span, v.second, x + c + 8, stride);
     }
-    case WeightFormat::kFP8: {
-      const uint8_t* codes = m.data.data() + r * m.cols;
-      // Each span's values x 2^-8 times the tokens, then that sum times 2^8 and the span's scale.
-      for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
-        const float scale = m.fp8_span_scale(r, c0, &c1);
-        __m256 span[M];
-        for (int j = 0; j < M; ++j) span[j] = _mm256_setzero_ps();
-        int64_t c = c0;
-        for (; c + 16 <= c1; c += 16) {
-          const Floats16 v = fp8_16_avx2(codes + c);
-          fma_tokens<M>(span, v.first, x + c, stride);
-          fma_tokens<M>(span, v.second, x + c + 8, stride);
-        }
-        const __m256 scale8 = _mm256_set1_ps(scale), up = _mm256_set1_ps(0x1p8f);
-        for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(span[j], up), scale8, acc[j]);
-        for (; c < c1; ++c) {
-          const float w = e4m3_to_float(codes[c]) * scale;
-          for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
-        }
-      }
-      break;
-    }
-    case WeightFormat::kBF16: {
-      const uint8_t* bytes = m.data.data() + r * m.cols * 2;
-      int64_t c = 0;
-      for (; c + 8 <= m.cols; c += 8) fma_tokens<M>(acc, bf16_octet_avx2(bytes + 2 * c), x + c, stride);
-      for (; c < m.cols; ++c) {
-        uint16_t code;
-        std::memcpy(&code, bytes + 2 * c, 2);
-        const float w = bf16_to_float(code);
-        for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
-      }
-      break;
+    const __m256 scale8 = _mm256_set1_ps(scale), up = _mm256_set1_ps(0x1p8f);
+    for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(span[j], up), scale8, acc[j]);
+    for (; c < c1; ++c) {
+      const float w = e4m3_to_float(codes[c]) * scale;
+      for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
     }
   }
   for (int j = 0; j < M; ++j) out[j] = sum8(acc[j]) + tail[j];
+}
+
+// BF16: 8 values per step; up to 2 tokens, odd and even steps go to two accumulators (one FMA
+// per step on each accumulator's chain would otherwise set the pace).
+template <int M>
+MOEINFER_AVX2 void row_dots_bf16_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
+  const uint8_t* bytes = m.data.data() + r * m.cols * 2;
+  constexpr int kSplit = M <= 2 ? 2 : 1;
+  __m256 acc[kSplit][M];
+  float tail[M];
+  for (int j = 0; j < M; ++j) {
+    for (int i = 0; i < kSplit; ++i) acc[i][j] = _mm256_setzero_ps();
+    tail[j] = 0.0f;
+  }
+  int64_t c = 0;
+  for (; c + 8 * kSplit <= m.cols; c += 8 * kSplit) {
+    for (int i = 0; i < kSplit; ++i) fma_tokens<M>(acc[i], bf16_octet_avx2(bytes + 2 * (c + 8 * i)), x + c + 8 * i, stride);
+  }
+  for (; c + 8 <= m.cols; c += 8) fma_tokens<M>(acc[0], bf16_octet_avx2(bytes + 2 * c), x + c, stride);
+  for (; c < m.cols; ++c) {
+    uint16_t code;
+    std::memcpy(&code, bytes + 2 * c, 2);
+    const float w = bf16_to_float(code);
+    for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
+  }
+  for (int j = 0; j < M; ++j) {
+    const __m256 sum = kSplit == 2 ? _mm256_add_ps(acc[0][j], acc[kSplit - 1][j]) : acc[0][j];
+    out[j] = sum8(sum) + tail[j];
+  }
+}
+
+template <int M>
+MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
+  static_assert(M >= 1 && M <= kCpuTokenTile);
+  switch (m.spec.format) {
+    case WeightFormat::kNVFP4: row_dots_nvfp4_avx2<M>(m, r, x, stride, out); return;
+    case WeightFormat::kFP8: row_dots_fp8_avx2<M>(m, r, x, stride, out); return;
+    case WeightFormat::kBF16: row_dots_bf16_avx2<M>(m, r, x, stride, out); return;
+  }
 }
 #endif
 
@@ -231,13 +293,26 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
                   std::vector<float>& row) {
 #if defined(__x86_64__)
   if (has_avx2_fma_f16c()) {
-    switch (tokens) {
-      case 1: row_dots_avx2<1>(m, r, x, stride, out); return;
-      case 2: row_dots_avx2<2>(m, r, x, stride, out); return;
-      case 3: row_dots_avx2<3>(m, r, x, stride, out); return;
-      case 4: row_dots_avx2<4>(m, r, x, stride, out); return;
-      default: break;
+    // Tiles of at most kCpuTokenTile tokens, as even as possible (9 tokens: 5 + 4); each tile
+    // decodes the row once into registers.
+    const int64_t tiles = (tokens + kCpuTokenTile - 1) / kCpuTokenTile;
+    for (int64_t t = 0, done = 0; t < tiles; ++t) {
+      const int64_t size = (tokens - done + tiles - t - 1) / (tiles - t);
+      const float* xt = x + done * stride;
+      float* o = out + done;
+      switch (size) {
+        case 1: row_dots_avx2<1>(m, r, xt, stride, o); break;
+        case 2: row_dots_avx2<2>(m, r, xt, stride, o); break;
+        case 3: row_dots_avx2<3>(m, r, xt, stride, o); break;
+        case 4: row_dots_avx2<4>(m, r, xt, stride, o); break;
+        case 5: row_dots_avx2<5>(m, r, xt, stride, o); break;
+        case 6: row_dots_avx2<6>(m, r, xt, stride, o); break;
+        case 7: row_dots_avx2<7>(m, r, xt, stride, o); break;
+        default: row_dots_avx2<8>(m, r, xt, stride, o); break;
+      }
+      done += size;
     }
+    return;
   }
 #endif
   row.resize(static_cast<size_t>(m.cols));

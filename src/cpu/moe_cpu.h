@@ -25,8 +25,13 @@ std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep = {});
 // decoded with AVX2 where the CPU has it.
 void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out);
 
-// out[j] = row r of m . (x + j * stride) for j < tokens, each weight decoded once: in registers
-// with AVX2 for up to 4 tokens, else into `row` (scratch) and dotted with each token.
+// The most tokens that cpu_row_dots applies one register decode of a row to: 8 accumulators of
+// 8 floats, the two halves of a decoded NVFP4 group and a temporary fill AVX2's 16 registers.
+inline constexpr int kCpuTokenTile = 8;
+
+// out[j] = row r of m . (x + j * stride) for j < tokens. With AVX2 each weight is decoded into
+// registers once per tile of up to kCpuTokenTile tokens; without it, once into `row` (scratch),
+// which is then dotted with each token.
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row);
 
