@@ -51,20 +51,24 @@ struct Floats16 {
 };
 
 // NVFP4 with AVX2, 16 values (8 bytes, one block scale) per step: the nibbles are split and
-// interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up 2 * E2M1 as a
-// signed integer, and the integers become floats times half the block scale (exact: at most 6
-// significant bits) times the global scale, the one rounding, as in QuantMatrix::dequantize_row.
-// Only the sign of a zero can differ (-0 decodes as +0).
-// The 16 codes at `bytes` as 2 * E2M1, integers in float vectors.
+// interleaved (element 2i is the low nibble of byte i), one byte shuffle looks up the upper byte
+// of 2 * E2M1 as an fp16 (whose lower byte is 0 for all 16 codes), and F16C converts 8 of them
+// per instruction (one fewer instruction per 16 values than sign-extending integers and
+// converting those: 1.07x at one token, tools/probe_cpu_row_dots). The values are then times half
+// the block scale (exact: at most 6 significant bits) times the global scale, the one rounding,
+// as in QuantMatrix::dequantize_row.
+// The 16 codes at `bytes` as 2 * E2M1 in float vectors.
 MOEINFER_AVX2 inline Floats16 nvfp4_twice_avx2(const uint8_t* bytes) {
-  const __m128i twice_e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  // The upper byte of 2 * E2M1 as fp16, by code: 0, 1, 2, 3, 4, 6, 8, 12, then the same negated.
+  const __m128i twice_fp16_high = _mm_setr_epi8(0x00, 0x3C, 0x40, 0x42, 0x44, 0x46, 0x48, 0x4A, char(0x80), char(0xBC),
+                                                char(0xC0), char(0xC2), char(0xC4), char(0xC6), char(0xC8), char(0xCA));
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   const __m128i low = _mm_and_si128(packed, nibble);
   const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-  const __m128i twice = _mm_shuffle_epi8(twice_e2m1, _mm_unpacklo_epi8(low, high));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(twice)),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(twice, 8)))};
+  const __m128i upper = _mm_shuffle_epi8(twice_fp16_high, _mm_unpacklo_epi8(low, high));
+  const __m128i zero = _mm_setzero_si128();
+  return {_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, upper)), _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, upper))};
 }
 
 // Half of every E4M3 value (exact), by code: an NVFP4 block scale for 2 * E2M1 integers.
@@ -160,7 +164,7 @@ MOEINFER_AVX2 inline __m256 nvfp4_one_token_avx2(const uint8_t* codes, float hal
 }
 
 // NVFP4. The global scale is applied once at the end. 2 * E2M1 times half the block scale is
-// exact (at most 8 significant bits), so every product is a weight of the reference row (before
+// exact (at most 6 significant bits), so every product is a weight of the reference row (before
 // the global scale) times a token value.
 template <int M>
 MOEINFER_AVX2 void row_dots_nvfp4_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
