@@ -173,8 +173,8 @@ MOEINFER_AVX2 void row_dots_nvfp4_avx2(const QuantMatrix& m, int64_t r, const fl
   const uint8_t* block = m.block_scales.data() + r * groups;
   const uint8_t* codes = m.data.data() + r * m.cols / 2;
   if constexpr (M == 1) {
-    // One token: the integers times the token, and that sum times the scale (3 operations per
-    // 16 weights). Even and odd groups go to two accumulators, so that neither chain of FMAs
+    // One token: the 2 * E2M1 values times the token, and that sum times the scale (3 operations
+    // per 16 weights). Even and odd groups go to two accumulators, so that neither chain of FMAs
     // sets the pace.
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t g = 0;
@@ -251,7 +251,9 @@ MOEINFER_AVX2 void row_dots_bf16_avx2(const QuantMatrix& m, int64_t r, const flo
   }
   int64_t c = 0;
   for (; c + 8 * kSplit <= m.cols; c += 8 * kSplit) {
-    for (int i = 0; i < kSplit; ++i) fma_tokens<M>(acc[i], bf16_octet_avx2(bytes + 2 * (c + 8 * i)), x + c + 8 * i, stride);
+    for (int i = 0; i < kSplit; ++i) {
+      fma_tokens<M>(acc[i], bf16_octet_avx2(bytes + 2 * (c + 8 * i)), x + c + 8 * i, stride);
+    }
   }
   for (; c + 8 <= m.cols; c += 8) fma_tokens<M>(acc[0], bf16_octet_avx2(bytes + 2 * c), x + c, stride);
   for (; c < m.cols; ++c) {
