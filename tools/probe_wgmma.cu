@@ -179,6 +179,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) probe_kernel(Params p) {
     for (int i = 16 * threadIdx.x; i < b_bytes(kMode, kN); i += 16 * kThreads) {
       *reinterpret_cast<uint4*>(b_smem + i) = *reinterpret_cast<const uint4*>(p.b + i);
     }
+    // wgmma reads shared memory through the async proxy: the generic stores above must be made
+    // visible to it before the barrier.
+    if constexpr (kMode == Mode::kWgmma || kMode == Mode::kWgmma2) {
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
     __syncthreads();
   }
   const uint8_t* w = p.weights + static_cast<int64_t>(blockIdx.x) * p.chunks * kBlockChunkBytes + warp * 1024 + 16 * lane;
