@@ -168,6 +168,28 @@ TEST(ModelConfig, NamedRefusals) {
             "ModelOpt quant_algo 'FP8' (only NVFP4 is supported)");
   EXPECT_EQ(error("{not json"), "config.json is not valid JSON");
   EXPECT_EQ(error(R"({"model_type": "mixtral", "hidden_size": "big"})"), "config.json: hidden_size is not an integer");
+  // Fields of the wrong type or out of int range are refused by name (a non-string model_type
+  // once threw out of the parser; a count past 2^31 was truncated to a small valid one).
+  EXPECT_EQ(error(R"({"model_type": 16, "hidden_size": 64})"), "config.json: model_type is not a string");
+  EXPECT_EQ(error(R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 8,
+                      "num_experts_per_tok": 2, "num_hidden_layers": 2, "quantization_config": {"quant_method": 8}})"),
+            "config.json: quant_method is not a string");
+  EXPECT_EQ(error(R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 8,
+                      "num_experts_per_tok": 2, "num_hidden_layers": 2, "quantization_config": {"quant_method": "modelopt",
+                      "quant_algo": ["NVFP4"]}})"),
+            "config.json: quant_algo is not a string");
+  EXPECT_EQ(error(R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64,
+                      "num_local_experts": 4294967304, "num_experts_per_tok": 2, "num_hidden_layers": 2})"),
+            "config.json: num_local_experts 4294967304 is out of range");
+  EXPECT_EQ(error(R"({"model_type": "mixtral", "hidden_size": 18446744073709551615})"),
+            "config.json: hidden_size 18446744073709551615 is out of range");
+  EXPECT_EQ(error(R"({"model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                      "num_experts_per_tok": 2, "num_hidden_layers": 2, "mlp_only_layers": [99999999999]})"),
+            "config.json: mlp_only_layers 99999999999 is out of range");
+  const char* mixtral = R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 8,
+                            "num_experts_per_tok": 2, "num_hidden_layers": 2})";
+  EXPECT_EQ(parse_model_config(mixtral, R"({"quantization": [1]})").status().message(),
+            "hf_quant_config.json: 'quantization' is not an object");
 }
 
 TEST(ModelConfig, Wildcards) {

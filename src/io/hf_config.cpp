@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -29,15 +30,32 @@ constexpr FamilyName kFamilies[] = {
 
 Status config_error(const std::string& message) { return invalid_argument("config.json: " + message); }
 
+// An integer value of field `name` within int range, else a named error.
+Result<int64_t> config_int(const json& v, std::string_view name) {
+  if (!v.is_number_integer()) return config_error(fmt::format("{} is not an integer", name));
+  const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(INT_MAX)
+                                               : v.get<int64_t>() >= INT_MIN && v.get<int64_t>() <= INT_MAX;
+  if (!in_range) return config_error(fmt::format("{} {} is out of range", name, v.dump()));
+  return v.get<int64_t>();
+}
+
+// Field `name` of object `j`: `fallback` where absent or null, else it must be a string.
+Result<std::string> config_string(const json& j, const char* name, const std::string& fallback) {
+  if (!j.contains(name) || j[name].is_null()) return fallback;
+  if (!j[name].is_string()) return config_error(fmt::format("{} is not a string", name));
+  return j[name].get<std::string>();
+}
+
 // Field access with named errors.
 class Fields {
  public:
   explicit Fields(const json& j) : j_(j) {}
   bool has(const char* name) const { return j_.contains(name) && !j_[name].is_null(); }
+  // Every integer of a config (sizes, counts, layer indices) fits an int: larger ones are refused
+  // by name here, not truncated where they are narrowed.
   Result<int64_t> integer(const char* name) const {
     if (!has(name)) return config_error(fmt::format("missing {}", name));
-    if (!j_[name].is_number_integer()) return config_error(fmt::format("{} is not an integer", name));
-    return j_[name].get<int64_t>();
+    return config_int(j_[name], name);
   }
   Result<int64_t> integer(const char* name, int64_t fallback) const { return has(name) ? integer(name) : fallback; }
   // The first of several names that is present (families spell some fields differently).
@@ -62,6 +80,10 @@ class Fields {
   std::optional<std::string> string(const char* name) const {
     if (!has(name) || !j_[name].is_string()) return std::nullopt;
     return j_[name].get<std::string>();
+  }
+  // A string field that may be absent (fallback) but, when present, must be a string.
+  Result<std::string> string_or(const char* name, const std::string& fallback) const {
+    return config_string(j_, name, fallback);
   }
   const json& raw(const char* name) const { return j_[name]; }
 
@@ -90,7 +112,9 @@ Result<std::vector<int>> int_list(const Fields& f, const char* name) {
   if (!f.raw(name).is_array()) return config_error(fmt::format("{} is not a list", name));
   for (const json& v : f.raw(name)) {
     if (!v.is_number_integer()) return config_error(fmt::format("{} holds a non-integer", name));
-    out.push_back(v.get<int>());
+    int64_t i = 0;
+    MOEINFER_ASSIGN(i, config_int(v, name));
+    out.push_back(static_cast<int>(i));
   }
   return out;
 }
@@ -103,13 +127,15 @@ Status parse_quantization(const json& root, std::string_view hf_quant_text, Mode
     const json hq = json::parse(hf_quant_text.begin(), hf_quant_text.end(), nullptr, false);
     if (hq.is_discarded() || !hq.is_object()) return invalid_argument("hf_quant_config.json is not valid JSON");
     if (!hq.contains("quantization")) return invalid_argument("hf_quant_config.json has no 'quantization' entry");
+    if (!hq["quantization"].is_object()) return invalid_argument("hf_quant_config.json: 'quantization' is not an object");
     q = hq["quantization"];
     q["quant_method"] = "modelopt";
   } else {
     return {};
   }
   if (!q.is_object()) return config_error("quantization_config is not an object");
-  const std::string method = q.value("quant_method", "");
+  std::string method;
+  MOEINFER_ASSIGN(method, config_string(q, "quant_method", ""));
   const auto patterns = [&](const char* key) -> Status {
     if (!q.contains(key)) return {};
     if (!q[key].is_array()) return config_error(fmt::format("quantization_config.{} is not a list", key));
@@ -119,7 +145,8 @@ Status parse_quantization(const json& root, std::string_view hf_quant_text, Mode
     return {};
   };
   if (method == "modelopt") {
-    const std::string algo = q.value("quant_algo", "");
+    std::string algo;
+    MOEINFER_ASSIGN(algo, config_string(q, "quant_algo", ""));
     if (algo != "NVFP4") {
       return unsupported(fmt::format("ModelOpt quant_algo '{}' (only NVFP4 is supported)", algo));
     }
@@ -130,7 +157,8 @@ Status parse_quantization(const json& root, std::string_view hf_quant_text, Mode
     return patterns("exclude_modules");
   }
   if (method == "compressed-tensors") {
-    const std::string format = q.value("format", "");
+    std::string format;
+    MOEINFER_ASSIGN(format, config_string(q, "format", ""));
     if (format != "nvfp4-pack-quantized") {
       return unsupported(fmt::format("compressed-tensors format '{}' (only nvfp4-pack-quantized is supported)", format));
     }
@@ -195,7 +223,9 @@ Result<ModelConfig> parse_model_config(std::string_view config_text, std::string
   const json& text = nested ? root["text_config"] : root;
   const Fields f(text);
   ModelConfig m;
-  m.model_type = f.string("model_type").value_or(root.value("model_type", ""));
+  std::string outer_type;  // Llama-4 names its family outside text_config too
+  MOEINFER_ASSIGN(outer_type, config_string(root, "model_type", ""));
+  MOEINFER_ASSIGN(m.model_type, f.string_or("model_type", outer_type));
   const FamilyName* fam = nullptr;
   for (const FamilyName& n : kFamilies) {
     if (m.model_type == n.model_type) fam = &n;
