@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/moe_cpu.h"
 #include "hf_mirror.h"
 #include "moeinfer/backend.h"
 #include "moeinfer/plan.h"
@@ -187,6 +188,27 @@ class BackendCase : public ::testing::Test {
   std::optional<PathKind> path_;
   Case case_;
 };
+
+// The CPU backend runs a call's experts in batches of kCpuRoutesPerBatch routes, the shared
+// expert with the last batch: calls past one batch (different tokens, and every token on the same
+// experts, so that one expert's routes cross the limit) against the reference. The CPU backend
+// keeps fp32 activations (about 1e-6 relative L2 from the reference here), so 1e-4 is the bound;
+// a route or a batch's output added twice or not at all lands far above it.
+TEST(BackendOpsCpu, CallsPastOneBatchMatchTheReference) {
+  constexpr int64_t kN = 600;  // 2400 routes at top 4: three batches
+  for (const Variant& v : variants()) {
+    if (v.name != "qwen3next" && v.name != "deepseek" && v.name != "sametokens") continue;
+    const LayerDesc desc = family_layer(v.family, v.shape);
+    ASSERT_GT(kN * desc.top_k, 2 * kCpuRoutesPerBatch) << v.name;
+    for (const std::string format : {"bf16", "nvfp4"}) {
+      const Fixture f = make_fixture(Case{v, format, kN});
+      std::unique_ptr<Backend> cpu = testing::take(make_backend(BackendKind::kCpu, BackendOptions{}));
+      check_against_reference(f, v.name + " " + format, 1e-4, [&](std::span<float> out) {
+        return cpu->forward(*f.layer, f.x, kN, out, nullptr);
+      });
+    }
+  }
+}
 
 // Absent backends get one loud skip with the reason, instead of a skip per case.
 TEST(BackendOps, UnavailableBackends) {

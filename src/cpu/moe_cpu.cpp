@@ -12,6 +12,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "core/parallel.h"
 #include "cpu/moe_cpu.h"
@@ -337,32 +340,60 @@ float activate(const LayerDesc& d, float g, float u) {
   return g * sigmoidf(g) * u;
 }
 
-// One expert applied to m tokens: in [m, H] -> y [m, H]. Each weight row is decoded once and
-// used for all m tokens (cpu_row_dots).
-void expert_batch(const LayerDesc& d, const ExpertWeights& w, const std::vector<float>& in, int64_t m,
-                  std::vector<float>& act, std::vector<float>& y) {
-  const int64_t h = d.hidden, inter = w.gate.rows;
-  act.assign(static_cast<size_t>(m * inter), 0.0f);
-  y.assign(static_cast<size_t>(m * h), 0.0f);
-#pragma omp parallel if (inter * h >= kParallelMinElements)
+// One expert's part of a call: its weights and its m routes' inputs, activations and outputs.
+struct ExpertJob {
+  const ExpertWeights* w = nullptr;
+  int64_t m = 0;
+  std::vector<float> in, act, y;  // [m, H], [m, inter], [m, H]
+};
+
+// Runs every job of a batch: y = down(activate(gate x, up x)) for each of its routes. All the
+// batch's experts share one team of threads, each thread taking the same share of every expert's
+// rows (contiguous, so each streams its part of every matrix in order, as one team per expert did),
+// with one barrier between the gate_up rows and the down rows. A call so pays two barriers per
+// batch, not two per expert plus a fork: on a machine whose cores other processes also use, each
+// barrier can wait a scheduler time slice for a descheduled thread (PERF.md, CPU backend v4).
+void run_jobs(const LayerDesc& d, std::vector<ExpertJob>& jobs) {
+  const int64_t h = d.hidden;
+  int64_t elements = 0, max_m = 0;
+  for (ExpertJob& job : jobs) {
+    const int64_t inter = job.w->gate.rows;
+    job.act.assign(static_cast<size_t>(job.m * inter), 0.0f);
+    job.y.assign(static_cast<size_t>(job.m * h), 0.0f);
+    elements += 3 * inter * h;
+    max_m = std::max(max_m, job.m);
+  }
+#pragma omp parallel if (elements >= kParallelMinElements)
   {
-    std::vector<float> row, g(static_cast<size_t>(m)), u(static_cast<size_t>(m)), down(static_cast<size_t>(m));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < inter; ++i) {
-      cpu_row_dots(w.gate, i, in.data(), h, m, g.data(), row);
-      cpu_row_dots(w.up, i, in.data(), h, m, u.data(), row);
-      const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
-      const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
-      for (int64_t j = 0; j < m; ++j) {
-        const auto jj = static_cast<size_t>(j);
-        act[static_cast<size_t>(j * inter + i)] = activate(d, g[jj] + gb, u[jj] + ub);
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+#else
+    const int64_t threads = 1, thread = 0;
+#endif
+    std::vector<float> row, g(static_cast<size_t>(max_m)), u(static_cast<size_t>(max_m)), out(static_cast<size_t>(max_m));
+    for (ExpertJob& job : jobs) {
+      const ExpertWeights& w = *job.w;
+      const int64_t inter = w.gate.rows;
+      for (int64_t i = inter * thread / threads; i < inter * (thread + 1) / threads; ++i) {
+        cpu_row_dots(w.gate, i, job.in.data(), h, job.m, g.data(), row);
+        cpu_row_dots(w.up, i, job.in.data(), h, job.m, u.data(), row);
+        const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
+        const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
+        for (int64_t t = 0; t < job.m; ++t) {
+          const auto tt = static_cast<size_t>(t);
+          job.act[static_cast<size_t>(t * inter + i)] = activate(d, g[tt] + gb, u[tt] + ub);
+        }
       }
     }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < h; ++r) {
-      cpu_row_dots(w.down, r, act.data(), inter, m, down.data(), row);
-      const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
-      for (int64_t j = 0; j < m; ++j) y[static_cast<size_t>(j * h + r)] = down[static_cast<size_t>(j)] + db;
+#pragma omp barrier
+    for (ExpertJob& job : jobs) {
+      const ExpertWeights& w = *job.w;
+      const int64_t inter = w.gate.rows;
+      for (int64_t r = h * thread / threads; r < h * (thread + 1) / threads; ++r) {
+        cpu_row_dots(w.down, r, job.act.data(), inter, job.m, out.data(), row);
+        const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
+        for (int64_t t = 0; t < job.m; ++t) job.y[static_cast<size_t>(t * h + r)] = out[static_cast<size_t>(t)] + db;
+      }
     }
   }
 }
@@ -424,39 +455,64 @@ class CpuBackend final : public Backend {
       }
     }
 
-    std::vector<float> in, act, y;
+    // The experts with routes here in id order, then the shared expert, in batches of jobs; the
+    // outputs are added in that order, so the sum is the same whatever the threads did.
+    constexpr int kSharedJob = -1;  // batch_ids entry of the shared expert
     int touched = 0;
+    int64_t batch_routes = 0;
+    std::vector<int> batch_ids;
+    std::vector<ExpertJob> jobs;
+    const auto run_batch = [&] {
+      run_jobs(d, jobs);
+      for (size_t b = 0; b < batch_ids.size(); ++b) {
+        const ExpertJob& job = jobs[b];
+        for (int64_t j = 0; j < job.m; ++j) {
+          int64_t token = j;
+          float s = 1.0f;
+          if (batch_ids[b] == kSharedJob) {
+            s = d.shared_gate ? sigmoidf(dot(layer.shared_gate.data(), x.data() + j * h, h)) : 1.0f;
+          } else {
+            const auto& route = by_expert[static_cast<size_t>(batch_ids[b])][static_cast<size_t>(j)];
+            token = route.first;
+            s = d.routing.weight_on_input ? 1.0f : route.second;
+          }
+          float* o = out.data() + token * h;
+          const float* y = job.y.data() + j * h;
+          for (int64_t i = 0; i < h; ++i) o[i] += s * y[i];
+        }
+      }
+      batch_ids.clear();
+      jobs.clear();
+      batch_routes = 0;
+    };
     for (int e = 0; e < d.num_experts; ++e) {
       const auto& routes = by_expert[static_cast<size_t>(e)];
       if (routes.empty()) continue;
       ++touched;
       Result<const ExpertWeights*> w = layer.expert(e);
       if (!w.ok()) return w.status();
-      const auto m = static_cast<int64_t>(routes.size());
-      in.resize(static_cast<size_t>(m * h));
-      for (int64_t j = 0; j < m; ++j) {
+      ExpertJob& job = jobs.emplace_back();
+      job.w = *w;
+      job.m = static_cast<int64_t>(routes.size());
+      job.in.resize(static_cast<size_t>(job.m * h));
+      for (int64_t j = 0; j < job.m; ++j) {
         // Llama-4 scales the expert's input by the weight and sums the output as is.
         const float s = d.routing.weight_on_input ? routes[static_cast<size_t>(j)].second : 1.0f;
-        for (int64_t i = 0; i < h; ++i) {
-          in[static_cast<size_t>(j * h + i)] = s * x[static_cast<size_t>(routes[static_cast<size_t>(j)].first * h + i)];
-        }
+        const float* xt = x.data() + routes[static_cast<size_t>(j)].first * h;
+        for (int64_t i = 0; i < h; ++i) job.in[static_cast<size_t>(j * h + i)] = s * xt[i];
       }
-      expert_batch(d, **w, in, m, act, y);
-      for (int64_t j = 0; j < m; ++j) {
-        const float s = d.routing.weight_on_input ? 1.0f : routes[static_cast<size_t>(j)].second;
-        float* o = out.data() + routes[static_cast<size_t>(j)].first * h;
-        for (int64_t i = 0; i < h; ++i) o[i] += s * y[static_cast<size_t>(j * h + i)];
-      }
+      batch_ids.push_back(e);
+      batch_routes += job.m;
+      if (batch_routes >= kCpuRoutesPerBatch) run_batch();
     }
-    if (layer.shared && adds_once) {
-      in.assign(x.begin(), x.end());
-      expert_batch(d, *layer.shared, in, n, act, y);
-      for (int64_t t = 0; t < n; ++t) {
-        const float gate =
-            d.shared_gate ? sigmoidf(dot(layer.shared_gate.data(), x.data() + t * h, h)) : 1.0f;
-        for (int64_t i = 0; i < h; ++i) out[static_cast<size_t>(t * h + i)] += gate * y[static_cast<size_t>(t * h + i)];
-      }
+    if (layer.shared && adds_once) {  // with the last routed batch, added after it
+      ExpertJob& job = jobs.emplace_back();
+      job.w = &*layer.shared;
+      job.m = n;
+      job.in.assign(x.begin(), x.end());
+      batch_ids.push_back(kSharedJob);
     }
+    if (!jobs.empty()) run_batch();
     if (ep_.ranks > 1) {
       MOEINFER_RETURN_IF_ERROR(ep_.reduce(out));
     }

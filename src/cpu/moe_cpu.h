@@ -21,6 +21,11 @@ struct CpuEpConfig {
 
 std::unique_ptr<Backend> make_cpu_backend(CpuEpConfig ep = {});
 
+// The CPU backend runs a call's experts in batches of about this many routes (the last expert
+// of a batch may take it past), all of a batch's experts on one team of threads: it bounds the
+// inputs, activations and outputs held at once, about routes x (2 H + intermediate) floats.
+inline constexpr int64_t kCpuRoutesPerBatch = 1024;
+
 // Row r of m as floats, the values of QuantMatrix::dequantize_row (the sign of a zero aside),
 // decoded with AVX2 where the CPU has it.
 void cpu_decode_row(const QuantMatrix& m, int64_t r, float* out);
