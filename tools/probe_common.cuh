@@ -1,6 +1,7 @@
 // What the probes in tools/ share (not part of the library): a CUDA status check that exits with
 // the failing call named, the streaming 16-byte load the kernels use for weights (no L1 line),
-// stand-in work, and the median time of 9 launches after a warm-up.
+// stand-in work, the streaming read that a probe's GB/s are compared with, and the median time of
+// 9 launches after a warm-up.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,6 +43,22 @@ __device__ __forceinline__ void fma_work(uint32_t x, int fmas, float (&acc)[4]) 
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] += f[i];
+}
+
+// A plain streaming read of `count` 16-byte units, 4 in flight per thread (__ldcs: no L1 line,
+// evict first): the reference rate a probe reports its kernels against. Launch it with 8 blocks of
+// 256 threads per SM.
+__global__ void stream_kernel(const uint4* data, int64_t count, float* sink) {
+  uint32_t x = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = i + j * stride < count ? __ldcs(data + i + j * stride) : uint4{};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  if (x == 12345u) sink[blockIdx.x] = static_cast<float>(x);  // never true; keeps the reads
 }
 
 // The median of 9 timed launches (CUDA events) after one warm-up, in ms.

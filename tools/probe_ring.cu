@@ -32,7 +32,7 @@
 
 namespace {
 
-using probe::fma_work, probe::load_stream, probe::median_ms;
+using probe::fma_work, probe::load_stream, probe::median_ms, probe::stream_kernel;
 
 constexpr int kWarp = 32;
 constexpr int64_t kTotalBytes = int64_t{256} << 20;
@@ -153,19 +153,6 @@ __global__ void regs_kernel(Params p) {
   }
   const float total = acc[0] + acc[1] + acc[2] + acc[3];
   if (total == 12345.0f) p.sink[blockIdx.x] = total;
-}
-
-__global__ void stream_kernel(const uint4* data, int64_t count, float* sink) {
-  uint32_t x = 0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = i + j * stride < count ? __ldcs(data + i + j * stride) : uint4{};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  if (x == 12345u) sink[blockIdx.x] = static_cast<float>(x);
 }
 
 double gbs(int64_t bytes, float ms) { return bytes / (ms * 1e-3) / 1e9; }

@@ -47,6 +47,7 @@ using moeinfer::cuda::mma_bf16_16816;
 using moeinfer::cuda::pair_order_bf16x2;
 using probe::load_stream;
 using probe::median_ms;
+using probe::stream_kernel;
 
 constexpr int kWarp = 32, kWarps = 4, kThreads = kWarps * kWarp;
 constexpr int kChunkCols = 128;                        // a warp's chunk: 16 rows x 128 columns, 1 KB
@@ -540,16 +541,6 @@ void probe_n(const Device& dev, double stream) {
   time_one<Mode::kWgmma2, kN, 2>(dev, stream, wgmma2_ok);
   time_one<Mode::kWgmma2, kN, 3>(dev, stream, wgmma2_ok);
   time_one<Mode::kWgmma2, kN, 4>(dev, stream, wgmma2_ok);
-}
-
-__global__ void stream_kernel(const uint4* data, int64_t count, float* sink) {
-  uint32_t x = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(data + i);
-    x ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (x == 12345u) sink[blockIdx.x] = static_cast<float>(x);
 }
 
 }  // namespace
