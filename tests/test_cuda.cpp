@@ -800,6 +800,16 @@ TEST_F(Cuda, CreateCountsLoadsThenUploads) {
   }
 }
 
+// The bench's compute peak: the cuBLAS GEMM checks its own product against the host before it
+// times anything, so a result at all means it ran; an H200's dense bf16 peak is 989 TFLOP/s.
+TEST_F(Cuda, Bf16PeakChecksItsProductAndStaysUnderTheSpec) {
+  const double tflops = take(cuda_bf16_peak_tflops());
+  EXPECT_GT(tflops, 10.0);
+  EXPECT_LT(tflops, 2500.0) << "above any GPU's dense bf16 peak: the timing is wrong";
+  EXPECT_EQ(cuda_bf16_peak_tflops(1000).status().message(),
+            "cuda_bf16_peak_tflops: size 1000 is not a positive multiple of 256");
+}
+
 // ---- expert parallelism ---------------------------------------------------------------------
 
 using testing::EpCase;

@@ -131,6 +131,15 @@ BenchResult ep_bench_rows(BackendKind backend, WeightFormat format, std::vector<
     EXPECT_EQ(ep_max(r.rank_bytes), ep_min(r.rank_bytes));
     EXPECT_LE(r.rank_bytes, r.bytes);
     EXPECT_GE(r.rank_bytes * ep_size(), r.bytes);
+    // qwen3-30b-a3b has no identity experts: every route has weights. A rank's compute floor
+    // is its share of the FLOPs at its own peak, so the slowest rank's is at most the whole
+    // call's at the slowest rank's peak.
+    const Preset* p = take(find_preset("qwen3-30b-a3b"));
+    const LayerDesc d = family_layer(p->family, p->shape);
+    EXPECT_EQ(r.flops, call_flops(d, r.tokens, static_cast<double>(r.tokens * d.top_k)));
+    EXPECT_EQ(ep_max(r.compute_us), ep_min(r.compute_us));
+    EXPECT_GT(r.compute_us, 0.0);
+    EXPECT_LE(r.compute_us, r.flops / (result.peak_gflops * 1e3) * (1 + 1e-9));
     if (ep_size() > 1) {
       EXPECT_LT(r.rank_bytes, r.bytes) << "a rank read every expert";
     }

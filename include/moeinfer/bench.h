@@ -3,7 +3,9 @@
 // Every row: median time per call (CUDA events over CUDA-graph replays, rotating `inputs`
 // different token batches so routing and experts change between calls), distinct experts
 // touched, bytes the call must read, GB/s, the floor (bytes / read bandwidth measured in the
-// same run) and the fraction of it reached, with the path and config that ran.
+// same run) and the fraction of it reached, with the path and config that ran. Beside it the
+// compute floor (the call's FLOPs / the multiply-add peak measured in the same run: bf16 tensor
+// cores on GPUs, float FMA on CPUs) and which of the two bounds the call.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,12 @@ Result<TokenRouting> parse_token_routing(std::string_view name);
 // Token batches for the benchmark: n x hidden, bf16-valued. Correlated batches mix a few
 // "topic" directions per batch with per-token noise, so tokens of a batch route alike.
 std::vector<float> make_bench_tokens(int64_t n, int64_t hidden, TokenRouting routing, uint64_t seed);
+
+// FLOPs (2 per multiply-add) of one call of `tokens` tokens with `routes` routes to experts that
+// have weights (tokens x top_k, less those to LongCat-Flash's identity experts): the router's
+// logits, the shared expert's gate, each route's gate, up and down projections, and the shared
+// expert's. Activations, top-k and blending are left out (under 0.1% of any preset's).
+double call_flops(const LayerDesc& desc, int64_t tokens, double routes);
 
 struct BenchConfig {
   std::vector<std::string> presets;
@@ -77,12 +85,18 @@ struct BenchRow {
   double gbps = 0;             // bytes / time
   double floor_us = 0;         // bytes / measured read bandwidth
   double fraction = 0;         // floor_us / time_us
+  double flops = 0;            // call_flops over the mean routes of the rotating inputs
+  double compute_us = 0;       // flops / measured multiply-add peak
+  double compute_fraction = 0; // compute_us / time_us
+  std::string bound;           // "memory" or "compute": the larger of floor_us and compute_us
   // Expert parallelism (ranks 0 without it): ranks, the most bytes any one rank must read (its
   // slice of the distinct experts; rank 0 also the shared expert), and the all-reduce of the
   // partial outputs per call (the fastest rank's, i.e. the communication without waiting for
   // the others; on GPUs timed alone over graph replays). time_us is then the slowest rank's
   // call. On GPUs, whose ranks read their own memory in parallel, floor_us is rank_bytes over
   // the slowest GPU's read bandwidth; on CPUs, which share the host's, bytes over it.
+  // compute_us is the largest over the ranks of a rank's FLOPs (the router's, its slice's
+  // routes', and rank 0's shared expert) over that rank's own measured peak.
   int ranks = 0;
   double rank_bytes = 0;
   double allreduce_us = 0;
@@ -91,6 +105,8 @@ struct BenchRow {
 struct BenchResult {
   std::string device;
   double read_gbps = 0;  // measured streaming read bandwidth
+  double peak_gflops = 0;  // measured multiply-add peak, GFLOP/s (per rank: the slowest rank's)
+  std::string peak_how;    // what peak_gflops measured, e.g. "bf16 tensor cores, cuBLAS 8192^3"
   std::vector<BenchRow> rows;
 
   std::string table() const;

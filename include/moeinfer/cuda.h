@@ -146,6 +146,12 @@ Result<std::string> cuda_device_name();
 // Streaming read bandwidth of the current device in GB/s: a reduction over `bytes` of device
 // memory, the median of several timed passes.
 Result<double> cuda_read_bandwidth(int64_t bytes = int64_t{4} << 30);
+// The bf16 tensor-core peak of the current device in TFLOP/s: cuBLAS multiplying random bf16
+// matrices of kCudaPeakGemmSize^3 with float accumulation, the median of several timed rounds.
+// The product is checked against the host at a few entries first, so a GEMM that did not run
+// cannot pass for a fast one.
+inline constexpr int kCudaPeakGemmSize = 8192;
+Result<double> cuda_bf16_peak_tflops(int size = kCudaPeakGemmSize);
 // Median microseconds per forward of `n` tokens, timed with CUDA events over CUDA-graph replays:
 // one graph per token batch (each [n, H] floats, host memory), replayed in rotation so routing
 // and experts change from call to call; `reps` rounds over all batches, the median round counts.

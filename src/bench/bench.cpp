@@ -19,6 +19,7 @@
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
+#include "cpu/moe_cpu.h"
 
 namespace moeinfer {
 
@@ -30,6 +31,16 @@ Result<TokenRouting> parse_token_routing(std::string_view name) {
   if (name == "independent") return TokenRouting::kIndependent;
   if (name == "correlated") return TokenRouting::kCorrelated;
   return invalid_argument(fmt::format("unknown routing '{}' (expected independent or correlated)", name));
+}
+
+double call_flops(const LayerDesc& d, int64_t tokens, double routes) {
+  const double h = static_cast<double>(d.hidden), t = static_cast<double>(tokens);
+  double multiply_adds = t * h * d.router_outputs() + routes * 3.0 * h * static_cast<double>(d.intermediate);
+  if (d.has_shared()) {
+    multiply_adds += t * 3.0 * h * static_cast<double>(d.shared_intermediate);
+    if (d.shared_gate) multiply_adds += t * h;
+  }
+  return 2.0 * multiply_adds;
 }
 
 std::vector<float> make_bench_tokens(int64_t n, int64_t hidden, TokenRouting routing, uint64_t seed) {
@@ -162,6 +173,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
   }
 
   BenchResult result;
+  double rank_peak_gflops = 0.0;  // this rank's multiply-add peak
   if (cuda) {
     Result<std::string> name = cuda_device_name();
     if (!name.ok()) return name.status();
@@ -170,6 +182,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     if (!bw.ok()) return bw.status();
     // Each rank reads its own GPU's memory: the slowest GPU bounds the call.
     result.read_gbps = ep_min(*bw);
+    if (progress) progress(0, 1, "measuring the bf16 tensor-core peak");
+    Result<double> tflops = cuda_bf16_peak_tflops();
+    if (!tflops.ok()) return tflops.status();
+    rank_peak_gflops = *tflops * 1e3;
+    result.peak_how = fmt::format("bf16 tensor cores, cuBLAS {0}x{0}x{0} GEMM", kCudaPeakGemmSize);
     if (ep) result.device += fmt::format(", {} rank{} (one GPU each, NCCL)", cfg.ep, cfg.ep == 1 ? "" : "s");
   } else {
     result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
@@ -179,8 +196,15 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     const double measured = ep_rank() == 0 ? cpu_read_gbps() : 0.0;
     ep_sleeping_barrier();
     result.read_gbps = ep_max(measured);
+    // The ranks compute on the host's cores at once, so each measures its own share together.
+    ep_barrier();
+    const CpuPeak peak = cpu_multiply_add_peak();
+    rank_peak_gflops = 2.0 * peak.multiply_adds_per_second / 1e9;
+    result.peak_how = fmt::format("float {}, {} thread{}{}", peak.avx2 ? "AVX2 FMA" : "multiply and add", peak.threads,
+                                  peak.threads == 1 ? "" : "s", ep ? " per rank" : "");
     if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
+  result.peak_gflops = ep_min(rank_peak_gflops);
 
   const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
   const int64_t total = static_cast<int64_t>(sources.size() * cfg.routings.size() * cfg.tokens.size());
@@ -223,13 +247,17 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         if (progress) progress(done, total, fmt::format("{} {} N={}", label, token_routing_name(routing), n));
         std::vector<std::vector<float>> batches;
         double distinct = 0.0, mine = 0.0;  // distinct experts: all, and in this rank's slice
+        double routed = 0.0, mine_routed = 0.0;  // routes to experts with weights: all, and this rank's
         for (int i = 0; i < cfg.inputs; ++i) {
           batches.push_back(make_bench_tokens(n, d.hidden, routing, cfg.seed * 1000003 + static_cast<uint64_t>(n * 131 + i)));
           Result<Routes> routes = moe_route_reference(*layer, batches.back(), n);
           if (!routes.ok()) return routes.status();
           std::set<int> ids;
           for (int id : routes->ids) {
-            if (id < d.num_experts) ids.insert(id);
+            if (id >= d.num_experts) continue;  // an identity expert
+            ids.insert(id);
+            routed += 1.0;
+            if (slice.owns(id)) mine_routed += 1.0;
           }
           distinct += static_cast<double>(ids.size());
           std::vector<int> touched;  // on this rank
@@ -241,6 +269,8 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         }
         distinct /= cfg.inputs;
         mine /= cfg.inputs;
+        routed /= cfg.inputs;
+        mine_routed /= cfg.inputs;
         double time_us = 0.0, allreduce_us = 0.0;
         if (cuda) {
           Result<double> t = cuda_time_forward(*moe, batches, n, cfg.reps, all_reduce.get());
@@ -297,6 +327,13 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         // CPU ranks share one host's memory; GPU ranks each read their own, in parallel.
         row.floor_us = (cuda && ep ? row.rank_bytes : row.bytes) / (result.read_gbps * 1e9) * 1e6;
         row.fraction = row.floor_us / time_us;
+        // The compute floor: this rank's FLOPs (the shared expert's on rank 0 alone) at its own peak.
+        row.flops = call_flops(d, n, routed);
+        LayerDesc rank_desc = d;
+        if (ep_rank() != 0) rank_desc.shared_intermediate = 0;
+        row.compute_us = ep_max(call_flops(rank_desc, n, ep ? mine_routed : routed) / (rank_peak_gflops * 1e3));
+        row.compute_fraction = row.compute_us / time_us;
+        row.bound = row.compute_us > row.floor_us ? "compute" : "memory";
         result.rows.push_back(row);
         ++done;
       }
@@ -311,15 +348,22 @@ std::string BenchResult::table() const {
   // rows the kernels each call launched.
   const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 0; });
   const bool kernels = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.config.empty(); });
-  std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s\n", device, read_gbps);
-  s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6}", "preset", "format",
-                   "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor");
+  std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s, compute peak {} ({})\n", device,
+                              read_gbps,
+                              peak_gflops >= 1e4 ? fmt::format("{:.0f} TFLOP/s", peak_gflops / 1e3)
+                                                 : fmt::format("{:.1f} GFLOP/s", peak_gflops),
+                              peak_how);
+  s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6} {:>8} {:>10} {:>7} {:>7}",
+                   "preset", "format", "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor",
+                   "GFLOP", "compute us", "compute", "bound");
   if (ep) s += fmt::format(" {:>5} {:>8} {:>12}", "ranks", "rank MB", "allreduce us");
   s += kernels ? "  kernels\n" : "\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%", r.preset,
-                     r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps,
-                     r.floor_us, r.fraction * 100.0);
+    s += fmt::format(
+        "{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}% {:>8.2f} {:>10.1f} {:>6.0f}% "
+        "{:>7}",
+        r.preset, r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps, r.floor_us,
+        r.fraction * 100.0, r.flops / 1e9, r.compute_us, r.compute_fraction * 100.0, r.bound);
     if (ep) s += fmt::format(" {:>5} {:>8.2f} {:>12.1f}", r.ranks, r.rank_bytes / 1e6, r.allreduce_us);
     s += kernels ? "  " + r.config + "\n" : "\n";
   }
@@ -327,14 +371,16 @@ std::string BenchResult::table() const {
 }
 
 std::string BenchResult::json() const {
-  nlohmann::json j = {{"device", device}, {"read_gbps", read_gbps}, {"rows", nlohmann::json::array()}};
+  nlohmann::json j = {{"device", device},       {"read_gbps", read_gbps}, {"peak_gflops", peak_gflops},
+                      {"peak_how", peak_how},   {"rows", nlohmann::json::array()}};
   for (const BenchRow& r : rows) {
     j["rows"].push_back({{"preset", r.preset}, {"format", r.format}, {"routing", r.routing}, {"tokens", r.tokens},
                          {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"plan", r.plan},
                          {"time_us", r.time_us},
                          {"distinct_experts", r.distinct_experts}, {"bytes", r.bytes}, {"gbps", r.gbps},
                          {"floor_us", r.floor_us}, {"fraction", r.fraction}, {"ranks", r.ranks},
-                         {"rank_bytes", r.rank_bytes}, {"allreduce_us", r.allreduce_us}});
+                         {"rank_bytes", r.rank_bytes}, {"allreduce_us", r.allreduce_us}, {"flops", r.flops},
+                         {"compute_us", r.compute_us}, {"compute_fraction", r.compute_fraction}, {"bound", r.bound}});
   }
   return j.dump(2) + "\n";
 }
@@ -342,11 +388,14 @@ std::string BenchResult::json() const {
 std::string BenchResult::csv() const {
   std::string s =
       "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps,"
-      "ranks,rank_bytes,allreduce_us,plan\n";
+      "ranks,rank_bytes,allreduce_us,plan,flops,compute_us,compute_fraction,bound,peak_gflops\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f},\"{}\"\n",
-                     r.preset, r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts,
-                     r.bytes, r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us, r.plan);
+    s += fmt::format(
+        "{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f},\"{}\",{:.0f},{:.3f},{:.4f},{},"
+        "{:.1f}\n",
+        r.preset, r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes,
+        r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us, r.plan, r.flops, r.compute_us,
+        r.compute_fraction, r.bound, peak_gflops);
   }
   return s;
 }

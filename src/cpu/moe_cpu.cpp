@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -327,6 +329,81 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
   row.resize(static_cast<size_t>(m.cols));
   cpu_decode_row(m, r, row.data());
   for (int64_t j = 0; j < tokens; ++j) out[j] = dot(row.data(), x + j * stride, m.cols);
+}
+
+namespace {
+
+// The peak's loop: kPeakChains independent chains of 8-float multiply-adds, so that each step's
+// operations wait only on their own chain and the loop runs at the units' throughput, not their
+// latency (2 units x 4-5 cycles need at least 10 in flight). x -> 0.999 x + 0.001 stays near 1.
+constexpr int kPeakChains = 12;
+constexpr float kPeakScale = 0.999f, kPeakAdd = 0.001f;
+
+#if defined(__x86_64__)
+MOEINFER_AVX2 float peak_chains_avx2(int64_t steps) {
+  __m256 acc[kPeakChains];
+  for (int c = 0; c < kPeakChains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(c));
+  const __m256 scale = _mm256_set1_ps(kPeakScale), add = _mm256_set1_ps(kPeakAdd);
+  for (int64_t s = 0; s < steps; ++s) {
+    for (__m256& a : acc) a = _mm256_fmadd_ps(a, scale, add);
+  }
+  for (int c = 1; c < kPeakChains; ++c) acc[0] = _mm256_add_ps(acc[0], acc[c]);
+  return sum8(acc[0]);
+}
+#endif
+
+// The same without AVX2: what the baseline build's vectors do (a multiply and an add).
+float peak_chains_portable(int64_t steps) {
+  std::array<std::array<float, 8>, kPeakChains> acc{};
+  for (int c = 0; c < kPeakChains; ++c) acc[static_cast<size_t>(c)].fill(static_cast<float>(c));
+  for (int64_t s = 0; s < steps; ++s) {
+    for (std::array<float, 8>& a : acc) {
+      for (float& v : a) v = v * kPeakScale + kPeakAdd;
+    }
+  }
+  float sum = 0.0f;
+  for (const std::array<float, 8>& a : acc) {
+    for (float v : a) sum += v;
+  }
+  return sum;
+}
+
+}  // namespace
+
+CpuPeak cpu_multiply_add_peak() {
+  CpuPeak peak;
+#if defined(__x86_64__)
+  peak.avx2 = has_avx2_fma_f16c();
+#endif
+#if defined(_OPENMP)
+  peak.threads = omp_get_max_threads();
+#endif
+  constexpr int64_t kSteps = int64_t{1} << 22;  // about 8 ms per thread at 96 G multiply-adds/s
+  std::vector<double> rates;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<float> sums(static_cast<size_t>(peak.threads));
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(peak.threads)
+    {
+#if defined(_OPENMP)
+      const size_t t = static_cast<size_t>(omp_get_thread_num());
+#else
+      const size_t t = 0;
+#endif
+#if defined(__x86_64__)
+      sums[t] = peak.avx2 ? peak_chains_avx2(kSteps) : peak_chains_portable(kSteps);
+#else
+      sums[t] = peak_chains_portable(kSteps);
+#endif
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    volatile float observed = std::accumulate(sums.begin(), sums.end(), 0.0f);  // the loops must run
+    (void)observed;
+    rates.push_back(static_cast<double>(peak.threads) * static_cast<double>(kSteps) * kPeakChains * 8.0 / seconds);
+  }
+  std::sort(rates.begin(), rates.end());
+  peak.multiply_adds_per_second = rates[rates.size() / 2];
+  return peak;
 }
 
 namespace {

@@ -40,4 +40,14 @@ inline constexpr int kCpuTokenTile = 8;
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row);
 
+// The host's float multiply-add throughput on the backend's threads (omp_get_max_threads()):
+// independent 8-wide chains of multiply-adds, with AVX2 FMA where the CPU has it, the median
+// of 5 timed passes. The benchmark's compute floor.
+struct CpuPeak {
+  double multiply_adds_per_second = 0;
+  int threads = 1;
+  bool avx2 = false;  // false: the baseline's multiply and add
+};
+CpuPeak cpu_multiply_add_peak();
+
 }  // namespace moeinfer

@@ -1,9 +1,19 @@
-// The benchmark's CUDA instruments: read bandwidth, and forward time over graph replays.
+// The benchmark's CUDA instruments: read bandwidth, the bf16 tensor-core peak, and forward time
+// over graph replays.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
 #include <functional>
+#include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/moe_kernels.cuh"
@@ -38,6 +48,78 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+// cuBLAS, opened on first use rather than linked: loading it (and cublasLt, which it needs)
+// costs every process that links moeinfer about 0.1 s and 220 MB before main, and only the
+// bench's peak uses it.
+struct CublasApi {
+  void* library = nullptr;
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasGetStatusString) status_string = nullptr;
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                            const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                            cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+};
+
+// The library the build found (MOEINFER_CUBLAS_LIBRARY), else its soname on the loader's path.
+Result<const CublasApi*> cublas_api() {
+  static CublasApi api;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const std::string soname = fmt::format("libcublas.so.{}", CUBLAS_VER_MAJOR);
+    std::string tried;
+    for (const char* name : {MOEINFER_CUBLAS_LIBRARY, soname.c_str()}) {
+      api.library = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (api.library != nullptr) break;
+      const char* why = dlerror();
+      tried += fmt::format("{}{} ({})", tried.empty() ? "" : ", ", name, why != nullptr ? why : "not found");
+    }
+    if (api.library == nullptr) {
+      error = fmt::format("the bench's bf16 peak needs cuBLAS, which did not open: {}", tried);
+      return;
+    }
+    const auto symbol = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(api.library, name));
+      if (fn == nullptr && error.empty()) error = fmt::format("cuBLAS has no {}", name);
+    };
+    symbol(api.create, "cublasCreate_v2");
+    symbol(api.destroy, "cublasDestroy_v2");
+    symbol(api.set_stream, "cublasSetStream_v2");
+    symbol(api.status_string, "cublasGetStatusString");
+    symbol(api.gemm_ex, "cublasGemmEx");
+  });
+  if (!error.empty()) return internal_error(error);
+  return &api;
+}
+
+Status check_cublas(const CublasApi& api, cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return {};
+  return Status(StatusCode::kInternal, fmt::format("{}: {}", what, api.status_string(status)));
+}
+
+struct CublasHandle {
+  const CublasApi* api = nullptr;
+  cublasHandle_t handle = nullptr;
+  ~CublasHandle() {
+    if (handle != nullptr) api->destroy(handle);
+  }
+};
+
+// Entry `index` of the peak's random matrix `seed`, as bf16 bits: a random sign, exponent 2^-1
+// or 2^0 and 7 random mantissa bits: values in +-[0.5, 2) that toggle the multipliers as real
+// data does (PyTorch's 8192^3 bf16 GEMM on an H200 ran 894 TFLOP/s on zeros, 788 on random data).
+uint16_t peak_matrix_entry(uint64_t seed, uint64_t index) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + index;  // splitmix64
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint16_t>((z & 0x8000u) | ((126u + ((z >> 7) & 1u)) << 7) | (z & 0x7Fu));
+}
+
+float bf16_value(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 }  // namespace
 
@@ -82,6 +164,86 @@ Result<double> cuda_read_bandwidth(int64_t bytes) {
     if (i > 0) gbps.push_back(static_cast<double>(count * 16) / (ms * 1e-3) / 1e9);  // first pass warms up
   }
   return median(gbps);
+}
+
+Result<double> cuda_bf16_peak_tflops(int size) {
+  if (size < 256 || size % 256 != 0) {
+    return invalid_argument(fmt::format("cuda_bf16_peak_tflops: size {} is not a positive multiple of 256", size));
+  }
+  Cleanup c;
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  Result<const CublasApi*> api = cublas_api();
+  if (!api.ok()) return api.status();
+  const CublasApi& blas = **api;
+  CublasHandle cublas{.api = &blas};
+  MOEINFER_RETURN_IF_ERROR(check_cublas(blas, blas.create(&cublas.handle), "cublasCreate"));
+  MOEINFER_RETURN_IF_ERROR(check_cublas(blas, blas.set_stream(cublas.handle, c.stream), "cublasSetStream"));
+  const uint64_t count = static_cast<uint64_t>(size) * static_cast<uint64_t>(size);
+  const size_t bytes = count * sizeof(uint16_t);
+  // A is read as [size rows x size k] row-major (transposed, lda = size), B as [size columns x
+  // size k] (lda = size), C = A B^T column-major: C(i, j) = sum_l A[i size + l] B[j size + l].
+  std::array<void*, 3> m{};  // A, B, C
+  for (void*& p : m) {
+    MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&p, bytes), "cudaMalloc (peak GEMM)"));
+    c.device.push_back(p);
+  }
+  std::vector<uint16_t> host(count);
+  for (uint64_t seed : {1, 2}) {
+    for (uint64_t i = 0; i < count; ++i) host[i] = peak_matrix_entry(seed, i);
+    MOEINFER_RETURN_IF_ERROR(check(cudaMemcpy(m[seed - 1], host.data(), bytes, cudaMemcpyHostToDevice), "copy peak matrix"));
+  }
+  MOEINFER_RETURN_IF_ERROR(check(cudaMemset(m[2], 0xFF, bytes), "cudaMemset (poison)"));  // bf16 NaN
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto gemm = [&] {
+    return check_cublas(blas,
+                        blas.gemm_ex(cublas.handle, CUBLAS_OP_T, CUBLAS_OP_N, size, size, size, &alpha, m[0], CUDA_R_16BF,
+                                     size, m[1], CUDA_R_16BF, size, &beta, m[2], CUDA_R_16BF, size, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT),
+                        "cublasGemmEx (bf16 peak)");
+  };
+  MOEINFER_RETURN_IF_ERROR(gemm());
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamSynchronize(c.stream), "peak GEMM"));
+  // A few entries against the host. The float sums of products in +-[0.25, 4) err far less
+  // than the bf16 output's rounding (2^-8 relative), which the tolerance allows.
+  const int64_t last = size - 1;
+  const std::array<std::pair<int64_t, int64_t>, 6> probes = {
+      {{0, 0}, {last, last}, {1, last - 1}, {size / 2, size / 3}, {size / 3 + 7, size / 2 + 5}, {last, 0}}};
+  for (const auto& [i, j] : probes) {
+    uint16_t got_bits = 0;
+    MOEINFER_RETURN_IF_ERROR(check(cudaMemcpy(&got_bits, static_cast<const uint16_t*>(m[2]) + i + j * size,
+                                              sizeof(got_bits), cudaMemcpyDeviceToHost),
+                                   "copy peak GEMM entry"));
+    double exact = 0.0, magnitude = 0.0;
+    for (int64_t l = 0; l < size; ++l) {
+      const double p = static_cast<double>(bf16_value(peak_matrix_entry(1, static_cast<uint64_t>(i * size + l)))) *
+                       static_cast<double>(bf16_value(peak_matrix_entry(2, static_cast<uint64_t>(j * size + l))));
+      exact += p;
+      magnitude += std::fabs(p);
+    }
+    const double got = bf16_value(got_bits);
+    const double tolerance = std::ldexp(std::fabs(exact), -8) + std::ldexp(magnitude, -12);
+    if (!(std::fabs(got - exact) <= tolerance)) {
+      return internal_error(fmt::format("the bf16 peak GEMM computed C({}, {}) = {} where the host sums {} (tolerance {})",
+                                        i, j, got, exact, tolerance));
+    }
+  }
+  cudaEvent_t start, stop;
+  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
+  c.events.push_back(start);
+  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
+  c.events.push_back(stop);
+  constexpr int kGemmsPerRound = 4;
+  std::vector<double> tflops;
+  for (int r = -1; r < 5; ++r) {  // round -1 warms up
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
+    for (int g = 0; g < kGemmsPerRound; ++g) MOEINFER_RETURN_IF_ERROR(gemm());
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(stop, c.stream), "cudaEventRecord"));
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventSynchronize(stop), "cudaEventSynchronize"));
+    float ms = 0;
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
+    if (r >= 0) tflops.push_back(2.0 * static_cast<double>(count) * size * kGemmsPerRound / (ms * 1e-3) / 1e12);
+  }
+  return median(tflops);
 }
 
 namespace {

@@ -44,6 +44,7 @@ int cuda_device_count() { return 0; }
 Status cuda_use_rank_device() { return no_cuda(); }
 Result<std::string> cuda_device_name() { return no_cuda(); }
 Result<double> cuda_read_bandwidth(int64_t) { return no_cuda(); }
+Result<double> cuda_bf16_peak_tflops(int) { return no_cuda(); }
 Result<double> cuda_time_forward(const CudaMoe&, const std::vector<std::vector<float>>&, int64_t, int,
                                  const CudaAllReduce*) {
   return no_cuda();

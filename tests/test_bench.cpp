@@ -1,0 +1,65 @@
+// The benchmark's compute floor: the FLOPs it counts per call, and the rows it fills from them.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "moeinfer/bench.h"
+#include "moeinfer/presets.h"
+#include "test_util.h"
+
+namespace moeinfer {
+namespace {
+
+using testing::take;
+
+LayerDesc preset_desc(const char* name) {
+  const Preset* p = take(find_preset(name));
+  return family_layer(p->family, p->shape);
+}
+
+// Per token, by hand from DESIGN.md's shapes (router H x E, shared gate H, each route 3 H I,
+// shared expert 3 H I_shared; 2 FLOPs per multiply-add).
+TEST(BenchFlops, CountEveryMultiplyAddOfTheLayer) {
+  // 2 (2048 x 512 + 2048 + 10 x 3 x 2048 x 512 + 3 x 2048 x 512)
+  EXPECT_EQ(call_flops(preset_desc("qwen3-next-80b-a3b"), 1, 10), 71307264.0);
+  // 2 (2048 x 128 + 8 x 3 x 2048 x 768), no shared expert
+  EXPECT_EQ(call_flops(preset_desc("qwen3-30b-a3b"), 1, 8), 76021760.0);
+  EXPECT_EQ(call_flops(preset_desc("qwen3-30b-a3b"), 3, 24), 3 * 76021760.0);
+  // 2 (7168 x 256 + 8 x 3 x 7168 x 2048 + 3 x 7168 x 2048), no shared gate
+  EXPECT_EQ(call_flops(preset_desc("deepseek-v3"), 1, 8), 796393472.0);
+  // LongCat-Flash: the router scores 512 + 256 identity experts; of 4 tokens' 48 routes, 30 to
+  // experts with weights: 2 (4 x 6144 x 768 + 30 x 3 x 6144 x 2048).
+  EXPECT_EQ(call_flops(preset_desc("longcat-flash"), 4, 30), 2302672896.0);
+}
+
+// A CPU bench row's compute floor is its FLOPs at the peak measured in the same run, and the
+// outputs carry it.
+TEST(Bench, CpuRowsCarryTheComputeFloor) {
+  BenchConfig cfg;
+  cfg.presets = {"qwen3-30b-a3b"};
+  cfg.formats = {{WeightFormat::kNVFP4}};
+  cfg.tokens = {1, 2};
+  cfg.routings = {TokenRouting::kIndependent};
+  cfg.backend = BackendKind::kCpu;
+  cfg.inputs = 2;
+  cfg.reps = 1;
+  const BenchResult result = take(run_bench(cfg));
+  EXPECT_GT(result.peak_gflops, 0.0);
+  EXPECT_NE(result.peak_how.find("thread"), std::string::npos) << result.peak_how;
+  ASSERT_EQ(result.rows.size(), 2u);
+  const LayerDesc d = preset_desc("qwen3-30b-a3b");
+  for (const BenchRow& r : result.rows) {
+    EXPECT_EQ(r.flops, call_flops(d, r.tokens, static_cast<double>(r.tokens * d.top_k))) << "N=" << r.tokens;
+    EXPECT_NEAR(r.compute_us, r.flops / (result.peak_gflops * 1e3), 1e-9 * r.compute_us);
+    EXPECT_NEAR(r.compute_fraction * r.time_us, r.compute_us, 1e-9 * r.compute_us);
+    EXPECT_EQ(r.bound, r.compute_us > r.floor_us ? "compute" : "memory");
+  }
+  const nlohmann::json j = nlohmann::json::parse(result.json());
+  EXPECT_EQ(j["peak_gflops"].get<double>(), result.peak_gflops);
+  EXPECT_EQ(j["rows"][1]["flops"].get<double>(), result.rows[1].flops);
+  EXPECT_EQ(j["rows"][1]["bound"].get<std::string>(), result.rows[1].bound);
+  EXPECT_NE(result.csv().find(",flops,compute_us,compute_fraction,bound,peak_gflops\n"), std::string::npos);
+  EXPECT_NE(result.table().find("compute us"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeinfer
