@@ -390,6 +390,7 @@ void expect_pair_decodes(uint32_t others) {
       const uint32_t natural = (others & ~mask) | (lo << (8 * kPair)) | (hi << (8 * kPair + 4));
       const uint32_t stored = cuda::to_pair_order(natural);
       const uint32_t pair = cuda::pair_order_bf16x2<kPair>(stored);
+      ASSERT_EQ(cuda::pair_order_bf16x2(stored, kPair), pair) << "pair " << kPair << " chosen at run time";
       const float got_lo = bf16_bits_times_2_126(pair & 0xFFFFu), got_hi = bf16_bits_times_2_126(pair >> 16);
       ASSERT_EQ(got_lo, e2m1_to_float(static_cast<uint8_t>(lo))) << "pair " << kPair << " codes " << lo << "," << hi;
       ASSERT_EQ(got_hi, e2m1_to_float(static_cast<uint8_t>(hi))) << "pair " << kPair << " codes " << lo << "," << hi;

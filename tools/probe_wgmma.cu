@@ -44,6 +44,7 @@
 namespace {
 
 using moeinfer::cuda::mma_bf16_16816;
+using moeinfer::cuda::mul_bf16x2;
 using moeinfer::cuda::pair_order_bf16x2;
 using probe::load_stream;
 using probe::median_ms;
@@ -75,24 +76,11 @@ struct Params {
 // The bytes of N tokens' activations in a mode's shared-memory layout.
 __host__ __device__ constexpr int b_bytes(Mode m, int n) { return m == Mode::kMma ? n * kMmaRowBytes : n * kSliceCols * 2; }
 
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 // The A register of step s, slot j (0: k 2c..2c+1 of the step, 1: k 2c+8..2c+9) from a row's
 // 16-byte run, as expert_major.cu's decode<kNvfp4, 32>: pair (s % 2) * 2 + j of word s / 2.
 __device__ __forceinline__ uint32_t decode(const uint4& run, uint32_t scale, int s, int j) {
   const uint32_t word = s / 2 == 0 ? run.x : (s / 2 == 1 ? run.y : (s / 2 == 2 ? run.z : run.w));
-  uint32_t pair;
-  switch ((s % 2) * 2 + j) {
-    case 0: pair = pair_order_bf16x2<0>(word); break;
-    case 1: pair = pair_order_bf16x2<1>(word); break;
-    case 2: pair = pair_order_bf16x2<2>(word); break;
-    default: pair = pair_order_bf16x2<3>(word); break;
-  }
-  return mul_bf16x2(pair, scale);
+  return mul_bf16x2(pair_order_bf16x2(word, (s % 2) * 2 + j), scale);
 }
 
 // A scale word as a bf16 pair: 2^126 x 2^(bit 7 of the code - 1), so that code 0x80 gives 2^126

@@ -65,12 +65,6 @@ __host__ __device__ constexpr bool is_fp8(Fmt f) { return f == Fmt::kFp8 || f ==
 template <Fmt F>
 constexpr int kMainRun = F == Fmt::kNvfp4 ? 32 : (is_fp8(F) ? 16 : 8);
 
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 // Two E4M3 codes (low byte first) as floats, exactly.
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_codes) {
   uint32_t h;
@@ -325,17 +319,6 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
   if constexpr (!kStaged) load_b<V>(rows.b[0], k, ch.b0);
 }
 
-// Pair p (0..3, any value) of a pair-order word as bf16 x 2^-126; the switch folds away where
-// p is a constant.
-__device__ __forceinline__ uint32_t nvfp4_pair(uint32_t word, int p) {
-  switch (p) {
-    case 0: return pair_order_bf16x2<0>(word);
-    case 1: return pair_order_bf16x2<1>(word);
-    case 2: return pair_order_bf16x2<2>(word);
-    default: return pair_order_bf16x2<3>(word);
-  }
-}
-
 // The A register of MMA step s, slot j, for one row's run: the weights of the run's columns
 // 2(2s + j) and 2(2s + j) + 1, which B's natural word 2s + j multiplies. `scale` holds the NVFP4
 // block scales (x 2^119) as bf16 pairs (s, s).
@@ -343,10 +326,10 @@ template <Fmt F, int V>
 __device__ __forceinline__ uint32_t decode(const uint32_t (&raw)[4], const uint32_t (&scale)[2], int s, int j) {
   if constexpr (F == Fmt::kNvfp4 && V == 32) {
     const int q = s / 2;  // word q holds the run's values 8q .. 8q + 7: pairs 4q .. 4q + 3
-    return mul_bf16x2(nvfp4_pair(raw[q], (s % 2) * 2 + j), scale[q / 2]);
+    return mul_bf16x2(pair_order_bf16x2(raw[q], (s % 2) * 2 + j), scale[q / 2]);
   } else if constexpr (F == Fmt::kNvfp4) {
     const int c = threadIdx.x % 4;  // lane c's 4 values are pairs 2 (c % 2) and 2 (c % 2) + 1 of its word
-    return mul_bf16x2(nvfp4_pair(raw[0], 2 * (c % 2) + j), scale[0]);
+    return mul_bf16x2(pair_order_bf16x2(raw[0], 2 * (c % 2) + j), scale[0]);
   } else if constexpr (is_fp8(F)) {
     return e4m3x2_to_bf16x2(raw[s] >> (16 * j));
   } else {

@@ -1,5 +1,5 @@
 // Device helpers for the tensor-core kernels (expert_major.cu's GEMMs, moe_kernels.cu's router):
-// bf16 packing and the m16n8k16 MMA. Internal; CUDA only.
+// bf16 packing and arithmetic, and the m16n8k16 MMA. Internal; CUDA only.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,13 @@ namespace moeinfer::cuda {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// a * b, element-wise, on bf16 pairs (rounded to nearest even).
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 

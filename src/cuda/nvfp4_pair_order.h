@@ -68,4 +68,15 @@ MOEINFER_HOST_DEVICE constexpr uint32_t pair_order_bf16x2(uint32_t stored) {
   }
 }
 
+// The same for pair p (0..3, any value) known only at run time; the switch folds away where p
+// is a constant.
+MOEINFER_HOST_DEVICE constexpr uint32_t pair_order_bf16x2(uint32_t stored, int p) {
+  switch (p) {
+    case 0: return pair_order_bf16x2<0>(stored);
+    case 1: return pair_order_bf16x2<1>(stored);
+    case 2: return pair_order_bf16x2<2>(stored);
+    default: return pair_order_bf16x2<3>(stored);
+  }
+}
+
 }  // namespace moeinfer::cuda
