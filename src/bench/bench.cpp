@@ -359,11 +359,11 @@ std::string BenchResult::table() const {
   if (ep) s += fmt::format(" {:>5} {:>8} {:>12}", "ranks", "rank MB", "allreduce us");
   s += kernels ? "  kernels\n" : "\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format(
-        "{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}% {:>8.2f} {:>10.1f} {:>6.0f}% "
-        "{:>7}",
-        r.preset, r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6, r.gbps, r.floor_us,
-        r.fraction * 100.0, r.flops / 1e9, r.compute_us, r.compute_fraction * 100.0, r.bound);
+    s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%",
+                     r.preset, r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6,
+                     r.gbps, r.floor_us, r.fraction * 100.0);
+    s += fmt::format(" {:>8.2f} {:>10.1f} {:>6.0f}% {:>7}", r.flops / 1e9, r.compute_us, r.compute_fraction * 100.0,
+                     r.bound);
     if (ep) s += fmt::format(" {:>5} {:>8.2f} {:>12.1f}", r.ranks, r.rank_bytes / 1e6, r.allreduce_us);
     s += kernels ? "  " + r.config + "\n" : "\n";
   }
@@ -390,12 +390,10 @@ std::string BenchResult::csv() const {
       "preset,format,routing,tokens,backend,path,config,time_us,distinct_experts,bytes,gbps,floor_us,fraction,read_gbps,"
       "ranks,rank_bytes,allreduce_us,plan,flops,compute_us,compute_fraction,bound,peak_gflops\n";
   for (const BenchRow& r : rows) {
-    s += fmt::format(
-        "{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f},\"{}\",{:.0f},{:.3f},{:.4f},{},"
-        "{:.1f}\n",
-        r.preset, r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts, r.bytes,
-        r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us, r.plan, r.flops, r.compute_us,
-        r.compute_fraction, r.bound, peak_gflops);
+    s += fmt::format("{},{},{},{},{},{},\"{}\",{:.3f},{:.2f},{:.0f},{:.1f},{:.3f},{:.4f},{:.0f},{},{:.0f},{:.3f},\"{}\",",
+                     r.preset, r.format, r.routing, r.tokens, r.backend, r.path, r.config, r.time_us, r.distinct_experts,
+                     r.bytes, r.gbps, r.floor_us, r.fraction, read_gbps, r.ranks, r.rank_bytes, r.allreduce_us, r.plan);
+    s += fmt::format("{:.0f},{:.3f},{:.4f},{},{:.1f}\n", r.flops, r.compute_us, r.compute_fraction, r.bound, peak_gflops);
   }
   return s;
 }

@@ -41,8 +41,8 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
                   std::vector<float>& row);
 
 // The host's float multiply-add throughput on the backend's threads (omp_get_max_threads()):
-// independent 8-wide chains of multiply-adds, with AVX2 FMA where the CPU has it, the median
-// of 5 timed passes. The benchmark's compute floor.
+// independent 8-wide chains of multiply-adds, with AVX2 FMA where the CPU has it, the fastest
+// of 5 timed passes after an untimed one. The benchmark's compute floor.
 struct CpuPeak {
   double multiply_adds_per_second = 0;
   int threads = 1;

@@ -190,16 +190,16 @@ Result<double> cuda_bf16_peak_tflops(int size) {
   std::vector<uint16_t> host(count);
   for (uint64_t seed : {1, 2}) {
     for (uint64_t i = 0; i < count; ++i) host[i] = peak_matrix_entry(seed, i);
-    MOEINFER_RETURN_IF_ERROR(check(cudaMemcpy(m[seed - 1], host.data(), bytes, cudaMemcpyHostToDevice), "copy peak matrix"));
+    MOEINFER_RETURN_IF_ERROR(
+        check(cudaMemcpy(m[seed - 1], host.data(), bytes, cudaMemcpyHostToDevice), "copy peak matrix"));
   }
   MOEINFER_RETURN_IF_ERROR(check(cudaMemset(m[2], 0xFF, bytes), "cudaMemset (poison)"));  // bf16 NaN
   const float alpha = 1.0f, beta = 0.0f;
   const auto gemm = [&] {
-    return check_cublas(blas,
-                        blas.gemm_ex(cublas.handle, CUBLAS_OP_T, CUBLAS_OP_N, size, size, size, &alpha, m[0], CUDA_R_16BF,
-                                     size, m[1], CUDA_R_16BF, size, &beta, m[2], CUDA_R_16BF, size, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT),
-                        "cublasGemmEx (bf16 peak)");
+    const cublasStatus_t status =
+        blas.gemm_ex(cublas.handle, CUBLAS_OP_T, CUBLAS_OP_N, size, size, size, &alpha, m[0], CUDA_R_16BF, size, m[1],
+                     CUDA_R_16BF, size, &beta, m[2], CUDA_R_16BF, size, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    return check_cublas(blas, status, "cublasGemmEx (bf16 peak)");
   };
   MOEINFER_RETURN_IF_ERROR(gemm());
   MOEINFER_RETURN_IF_ERROR(check(cudaStreamSynchronize(c.stream), "peak GEMM"));
@@ -223,8 +223,8 @@ Result<double> cuda_bf16_peak_tflops(int size) {
     const double got = bf16_value(got_bits);
     const double tolerance = std::ldexp(std::fabs(exact), -8) + std::ldexp(magnitude, -12);
     if (!(std::fabs(got - exact) <= tolerance)) {
-      return internal_error(fmt::format("the bf16 peak GEMM computed C({}, {}) = {} where the host sums {} (tolerance {})",
-                                        i, j, got, exact, tolerance));
+      return internal_error(fmt::format(
+          "the bf16 peak GEMM computed C({}, {}) = {} where the host sums {} (tolerance {})", i, j, got, exact, tolerance));
     }
   }
   cudaEvent_t start, stop;
