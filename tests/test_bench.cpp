@@ -61,5 +61,28 @@ TEST(Bench, CpuRowsCarryTheComputeFloor) {
   EXPECT_NE(result.table().find("compute us"), std::string::npos);
 }
 
+// Where the peak could not be measured (a GPU bench without cuBLAS), the table says why and
+// leaves the compute columns empty rather than dividing by zero.
+TEST(Bench, TableWithoutAPeakSaysWhy) {
+  BenchResult result;
+  result.device = "GPU";
+  result.read_gbps = 4400;
+  result.peak_how = "not measured: cuBLAS did not open";
+  BenchRow row;
+  row.preset = "qwen3-30b-a3b";
+  row.format = "nvfp4";
+  row.routing = "independent";
+  row.tokens = 1;
+  row.path = "expert-major";
+  row.time_us = 20.0;
+  row.flops = 76021760.0;
+  result.rows.push_back(row);
+  const std::string table = result.table();
+  EXPECT_NE(table.find("compute peak not measured: cuBLAS did not open\n"), std::string::npos) << table;
+  EXPECT_NE(table.find("    0.08          -       -       -"), std::string::npos) << table;
+  EXPECT_EQ(table.find("inf"), std::string::npos) << table;
+  EXPECT_EQ(table.find("nan"), std::string::npos) << table;
+}
+
 }  // namespace
 }  // namespace moeinfer

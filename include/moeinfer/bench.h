@@ -86,9 +86,10 @@ struct BenchRow {
   double floor_us = 0;         // bytes / measured read bandwidth
   double fraction = 0;         // floor_us / time_us
   double flops = 0;            // call_flops over the mean routes of the rotating inputs
-  double compute_us = 0;       // flops / measured multiply-add peak
+  double compute_us = 0;       // flops / measured multiply-add peak (0 where it was not measured)
   double compute_fraction = 0; // compute_us / time_us
-  std::string bound;           // "memory" or "compute": the larger of floor_us and compute_us
+  std::string bound;           // "memory" or "compute": the larger of floor_us and compute_us; empty
+                               // where the peak was not measured
   // Expert parallelism (ranks 0 without it): ranks, the most bytes any one rank must read (its
   // slice of the distinct experts; rank 0 also the shared expert), and the all-reduce of the
   // partial outputs per call (the fastest rank's, i.e. the communication without waiting for
@@ -105,8 +106,9 @@ struct BenchRow {
 struct BenchResult {
   std::string device;
   double read_gbps = 0;  // measured streaming read bandwidth
-  double peak_gflops = 0;  // measured multiply-add peak, GFLOP/s (per rank: the slowest rank's)
-  std::string peak_how;    // what peak_gflops measured, e.g. "bf16 tensor cores, cuBLAS 8192^3"
+  double peak_gflops = 0;  // measured multiply-add peak, GFLOP/s (per rank: the slowest rank's); 0: not measured
+  std::string peak_how;    // what peak_gflops measured, e.g. "bf16 tensor cores, cuBLAS 8192x8192x8192
+                           // GEMM", or "not measured: " and why
   std::vector<BenchRow> rows;
 
   std::string table() const;

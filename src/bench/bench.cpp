@@ -183,10 +183,12 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     // Each rank reads its own GPU's memory: the slowest GPU bounds the call.
     result.read_gbps = ep_min(*bw);
     if (progress) progress(0, 1, "measuring the bf16 tensor-core peak");
+    // Without cuBLAS (or where its GEMM fails) the rows still get their times and byte floors;
+    // the header says why the compute columns are empty.
     Result<double> tflops = cuda_bf16_peak_tflops();
-    if (!tflops.ok()) return tflops.status();
-    rank_peak_gflops = *tflops * 1e3;
-    result.peak_how = fmt::format("bf16 tensor cores, cuBLAS {0}x{0}x{0} GEMM", kCudaPeakGemmSize);
+    rank_peak_gflops = tflops.ok() ? *tflops * 1e3 : 0.0;
+    result.peak_how = tflops.ok() ? fmt::format("bf16 tensor cores, cuBLAS {0}x{0}x{0} GEMM", kCudaPeakGemmSize)
+                                  : fmt::format("not measured: {}", tflops.status().message());
     if (ep) result.device += fmt::format(", {} rank{} (one GPU each, NCCL)", cfg.ep, cfg.ep == 1 ? "" : "s");
   } else {
     result.device = fmt::format("CPU ({} threads)", std::thread::hardware_concurrency());
@@ -204,7 +206,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
                                   peak.threads == 1 ? "" : "s", ep ? " per rank" : "");
     if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
-  result.peak_gflops = ep_min(rank_peak_gflops);
+  result.peak_gflops = ep_min(rank_peak_gflops);  // 0 where any rank could not measure it
 
   const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
   const int64_t total = static_cast<int64_t>(sources.size() * cfg.routings.size() * cfg.tokens.size());
@@ -331,9 +333,10 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.flops = call_flops(d, n, routed);
         LayerDesc rank_desc = d;
         if (ep_rank() != 0) rank_desc.shared_intermediate = 0;
-        row.compute_us = ep_max(call_flops(rank_desc, n, ep ? mine_routed : routed) / (rank_peak_gflops * 1e3));
+        const double rank_compute_us = call_flops(rank_desc, n, ep ? mine_routed : routed) / (rank_peak_gflops * 1e3);
+        row.compute_us = ep_max(result.peak_gflops > 0.0 ? rank_compute_us : 0.0);
         row.compute_fraction = row.compute_us / time_us;
-        row.bound = row.compute_us > row.floor_us ? "compute" : "memory";
+        if (result.peak_gflops > 0.0) row.bound = row.compute_us > row.floor_us ? "compute" : "memory";
         result.rows.push_back(row);
         ++done;
       }
@@ -348,11 +351,12 @@ std::string BenchResult::table() const {
   // rows the kernels each call launched.
   const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 0; });
   const bool kernels = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.config.empty(); });
-  std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s, compute peak {} ({})\n", device,
-                              read_gbps,
-                              peak_gflops >= 1e4 ? fmt::format("{:.0f} TFLOP/s", peak_gflops / 1e3)
-                                                 : fmt::format("{:.1f} GFLOP/s", peak_gflops),
-                              peak_how);
+  const bool peak = peak_gflops > 0.0;
+  std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s, compute peak {}{}\n", device, read_gbps,
+                              !peak                ? std::string()
+                              : peak_gflops >= 1e4 ? fmt::format("{:.0f} TFLOP/s ", peak_gflops / 1e3)
+                                                   : fmt::format("{:.1f} GFLOP/s ", peak_gflops),
+                              peak ? "(" + peak_how + ")" : peak_how);
   s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10} {:>8} {:>9} {:>8} {:>9} {:>6} {:>8} {:>10} {:>7} {:>7}",
                    "preset", "format", "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor",
                    "GFLOP", "compute us", "compute", "bound");
@@ -362,8 +366,12 @@ std::string BenchResult::table() const {
     s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%",
                      r.preset, r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6,
                      r.gbps, r.floor_us, r.fraction * 100.0);
-    s += fmt::format(" {:>8.2f} {:>10.1f} {:>6.0f}% {:>7}", r.flops / 1e9, r.compute_us, r.compute_fraction * 100.0,
-                     r.bound);
+    if (peak) {
+      s += fmt::format(" {:>8.2f} {:>10.1f} {:>6.0f}% {:>7}", r.flops / 1e9, r.compute_us, r.compute_fraction * 100.0,
+                       r.bound);
+    } else {
+      s += fmt::format(" {:>8.2f} {:>10} {:>7} {:>7}", r.flops / 1e9, "-", "-", "-");
+    }
     if (ep) s += fmt::format(" {:>5} {:>8.2f} {:>12.1f}", r.ranks, r.rank_bytes / 1e6, r.allreduce_us);
     s += kernels ? "  " + r.config + "\n" : "\n";
   }

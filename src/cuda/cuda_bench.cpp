@@ -72,6 +72,7 @@ Result<const CublasApi*> cublas_api() {
     const std::string soname = fmt::format("libcublas.so.{}", CUBLAS_VER_MAJOR);
     std::string tried;
     for (const char* name : {MOEINFER_CUBLAS_LIBRARY, soname.c_str()}) {
+      if (*name == '\0') continue;  // the build found no cuBLAS
       api.library = dlopen(name, RTLD_NOW | RTLD_LOCAL);
       if (api.library != nullptr) break;
       const char* why = dlerror();
