@@ -172,7 +172,9 @@ Result<double> cuda_bf16_peak_tflops(int size) {
     return invalid_argument(fmt::format("cuda_bf16_peak_tflops: size {} is not a positive multiple of 256", size));
   }
   Cleanup c;
-  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  // A blocking stream: its GEMMs wait for the copies and the poison below, which go through the
+  // legacy default stream (a pageable copy may return before its DMA lands).
+  MOEINFER_RETURN_IF_ERROR(check(cudaStreamCreate(&c.stream), "cudaStreamCreate"));
   Result<const CublasApi*> api = cublas_api();
   if (!api.ok()) return api.status();
   const CublasApi& blas = **api;
@@ -195,6 +197,7 @@ Result<double> cuda_bf16_peak_tflops(int size) {
         check(cudaMemcpy(m[seed - 1], host.data(), bytes, cudaMemcpyHostToDevice), "copy peak matrix"));
   }
   MOEINFER_RETURN_IF_ERROR(check(cudaMemset(m[2], 0xFF, bytes), "cudaMemset (poison)"));  // bf16 NaN
+  MOEINFER_RETURN_IF_ERROR(check(cudaDeviceSynchronize(), "peak GEMM inputs"));
   const float alpha = 1.0f, beta = 0.0f;
   const auto gemm = [&] {
     const cublasStatus_t status =
