@@ -275,6 +275,9 @@ Result<double> time_rounds(Cleanup& c, int reps) {
   c.events.push_back(start);
   MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
   c.events.push_back(stop);
+  // The graphs' inputs were copied through the legacy stream, which c.stream (non-blocking) does
+  // not wait for, and a pageable copy may return before its DMA lands.
+  MOEINFER_RETURN_IF_ERROR(check(cudaDeviceSynchronize(), "inputs before the replays"));
   std::vector<double> per_call_us;
   for (int r = -1; r < reps; ++r) {
     MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
