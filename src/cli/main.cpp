@@ -507,7 +507,7 @@ int main(int argc, char** argv) {
   app.add_subcommand("presets", "List the presets and their shapes");
 
   BenchOptions bench;
-  CLI::App* bench_cmd = app.add_subcommand("bench", "Time layer calls against the memory-bandwidth floor");
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Time layer calls against the memory-bandwidth and compute floors");
   CLI::Option* bench_preset_opt =
       bench_cmd->add_option("--preset", bench.presets, "Comma-separated presets")->capture_default_str();
   CLI::Option* bench_format_opt =
