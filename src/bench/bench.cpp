@@ -207,6 +207,9 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
   result.peak_gflops = ep_min(rank_peak_gflops);  // 0 where any rank could not measure it
+  if (result.peak_gflops <= 0.0 && rank_peak_gflops > 0.0) {
+    result.peak_how = "not measured: another rank could not measure its peak";
+  }
 
   const int64_t max_n = *std::max_element(cfg.tokens.begin(), cfg.tokens.end());
   const int64_t total = static_cast<int64_t>(sources.size() * cfg.routings.size() * cfg.tokens.size());
