@@ -194,11 +194,11 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 //   expert (fewer slices than the launch is sized for, its tail again a slice of its own);
 // - two-tile slices: gate_up at K = 1152, which stages whole but whose two-tile gate_up stages
 //   512 columns at a time: two whole slices and a last one of one NVFP4 chunk.
-// Calls keep one token tile per item up to N = 16 (8 routes per expert on average). Past it, where
+// Calls keep one token tile per item below N = 16. From it (8 routes per expert on average), where
 // both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
 // routes make a full item and a partial one; N = 32: 16 routes per expert on average), gate_up
-// staged in slices; elsewhere, and with the staged kernels forbidden, N = 24 and 32 run 4 token
-// tiles, split-K.
+// staged in slices; elsewhere N = 16 keeps one, and with the staged kernels forbidden, N = 24 and
+// 32 run 4 token tiles, split-K.
 // The staged calls run three times: down blocks of one pass of 64 rows, of two and of four passes
 // over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
 // one). The ragged shape's 272 down rows leave the last two- and four-pass blocks a partial first
@@ -233,7 +233,7 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
       for (const int64_t n : {1, 3, 8, 16, 24, 32}) {
         const bool whole = !gate_up_sliced && !down_sliced;
-        const int group = n <= 16 ? 8 : (whole ? 16 : cuda::kExpertMajorGroup);
+        const int group = whole && n >= 16 ? 16 : n <= 16 ? 8 : cuda::kExpertMajorGroup;
         ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, whole), group);
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
@@ -973,8 +973,9 @@ TEST(ExpertMajorSizing, StageableCallsRunTwoTokenTilesUpToSixteenRoutesPerExpert
   EXPECT_FALSE(cuda::expert_major_stageable(-1, 7168, 2048));  // DeepSeek-V3 gate_up: K = 7168
   EXPECT_FALSE(cuda::expert_major_stageable(-1, 64, 3072));
   EXPECT_FALSE(cuda::expert_major_stageable(0, 2048, 768));
-  // qwen3-30b (128 experts, top-8): N = 256 averages 16 routes per expert.
-  EXPECT_EQ(cuda::expert_major_group(128, 8, 128, true), 8);
+  // qwen3-30b (128 experts, top-8): N = 128 averages 8 routes per expert, N = 256 16.
+  EXPECT_EQ(cuda::expert_major_group(127, 8, 128, true), 8);
+  EXPECT_EQ(cuda::expert_major_group(128, 8, 128, true), 16);
   EXPECT_EQ(cuda::expert_major_group(129, 8, 128, true), 16);
   EXPECT_EQ(cuda::expert_major_group(256, 8, 128, true), 16);
   EXPECT_EQ(cuda::expert_major_group(257, 8, 128, true), cuda::kExpertMajorGroup);
@@ -1106,10 +1107,12 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
   EXPECT_EQ(choice(qwen, 64), "8 193 SS");
-  EXPECT_EQ(choice(qwen, 128), "8 257 S2");   // 16 x 257 = 4112
-  EXPECT_EQ(choice(qwen, 256), "16 257 L2");  // 16 routes per expert: two token tiles, gate_up in slices
+  EXPECT_EQ(choice(qwen, 127), "8 256 S2");   // 16 x 256 = 4096
+  // From 8 routes per expert: two token tiles, gate_up in slices; 16 x 193 = 3088, one pass
+  EXPECT_EQ(choice(qwen, 128), "16 193 LS");
+  EXPECT_EQ(choice(qwen, 256), "16 257 L2");  // 16 x 257 = 4112
   qwen.nvfp4 = true;
-  EXPECT_EQ(choice(qwen, 128), "8 257 S2");
+  EXPECT_EQ(choice(qwen, 128), "16 193 LS");
   EXPECT_EQ(choice(qwen, 256), "16 257 L2");
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
@@ -1463,11 +1466,10 @@ TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
             const int table = experts + (shared ? 1 : 0);
             for (const bool stageable : {false, true}) {
               const int group = cuda::expert_major_group(n, top_k, experts, stageable);
-              // One token tile while the experts average at most 8 routes, two up to 16 where staged,
-              // else 4.
-              const int expected = n * top_k <= 8 * experts                 ? 8
-                                   : stageable && n * top_k <= 16 * experts ? 16
-                                                                             : cuda::kExpertMajorGroup;
+              // Two token tiles from 8 routes per expert on average up to 16 where staged; else one
+              // up to 8, and 4 past it.
+              const bool two = stageable && n * top_k >= 8 * experts && n * top_k <= 16 * experts;
+              const int expected = two ? 16 : n * top_k <= 8 * experts ? 8 : cuda::kExpertMajorGroup;
               ASSERT_EQ(group, expected) << "n " << n;
               int items = 0;
               for (const int c : counts) items += (c + group - 1) / group;

@@ -1230,14 +1230,11 @@ __host__ __device__ constexpr bool staged_two_ahead(bool scale_copy, bool sliced
 
 // The blocks per SM a staged kernel is held to (__launch_bounds__): at two chunks ahead, those its
 // registers allowed at one (down 72 registers at one tile: 7; gate_up 122, and down at two tiles
-// 79-112: 4), so that the deeper loads cost no warps; at one, no bound (0). The two-tile gate_up
-// staged whole (128 registers at one ahead, 153 at two) is held to the 3 blocks that its 66 KB of
-// staged activations at K = 2048 leave room for; calls no longer launch it (ExpertMajorLaunch
-// stages the two-tile gate_up in slices, 125 registers). The four-pass down was held to 8 (64
-// registers) until its loop over NVFP4 tiles (v3.17), which spills there.
+// 79-112: 4), so that the deeper loads cost no warps; at one, no bound (0). (The two-tile gate_up
+// runs in slices, one ahead.) The four-pass down was held to 8 (64 registers) until its loop over
+// NVFP4 tiles (v3.17), which spills there.
 __host__ __device__ constexpr int staged_min_blocks(bool gate_up, int tiles, [[maybe_unused]] int passes, int ahead) {
   if (ahead == 1) return 0;
-  if (gate_up && tiles == 2) return 3;
   return gate_up || tiles == 2 ? 4 : 7;
 }
 
@@ -1360,8 +1357,10 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
     // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
     const int tiles = call.group / kTile;
+    const bool sliced = gate_up ? call.gate_up_sliced : call.down_sliced;
     // Room for the down's scale codes only where it copies them.
-    const int smem = expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles);
+    const int smem =
+        expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles, sliced);
     const auto down = [&]<int kTiles>() {
       if (call.down_ahead == 2) {
         launch_staged_down<kTiles, 2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
@@ -1370,12 +1369,8 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       }
     };
     if (tiles == 2) {
-      if (gate_up && call.gate_up_sliced) {
-        moe_expert_staged<true, false, true, 2><<<grid, kWarps * kWarp, 2 * expert_major_slice_bytes(2), stream>>>(L, n, ws);
-      } else if (gate_up && call.gate_up_ahead == 2) {
-        moe_expert_staged<true, false, false, 2, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-      } else if (gate_up) {
-        moe_expert_staged<true, false, false, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+      if (gate_up) {  // always in slices (ExpertMajorLaunch::gate_up_sliced)
+        moe_expert_staged<true, false, true, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
       } else {
         down.template operator()<2>();
       }
@@ -1425,8 +1420,6 @@ cudaError_t prepare_expert_major_kernels() {
   const auto two_tiles = [&](auto kernel) {
     if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStaged2MaxSmem);
   };
-  two_tiles(moe_expert_staged<true, false, false, 2>);
-  two_tiles(moe_expert_staged<true, false, false, 2, 1, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 4>);

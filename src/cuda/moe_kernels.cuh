@@ -240,11 +240,12 @@ __host__ __device__ constexpr int expert_major_staged_scale_stride(int K) { retu
 
 // Dynamic shared memory of a staged block for a GEMM over K inputs (the layer's: hidden for
 // gate_up, act_stride for down; an expert's own K is at most that) with `tiles` token tiles: the
-// activations, whole or (one tile past expert_major_staged_fits) as two slice buffers, then,
-// where the layer has NVFP4 experts and expert_major_stages_scales says so (one token tile only),
-// the scale codes.
-__host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4, int tiles = 1) {
-  if (!expert_major_staged_fits(K)) return 2 * kExpertMajorSliceBytes;
+// activations, whole or (`sliced`: ExpertMajorLaunch's gate_up_sliced / down_sliced; or past
+// expert_major_staged_fits) as two slice buffers, then, where the layer has NVFP4 experts and
+// expert_major_stages_scales says so (one token tile only), the scale codes.
+__host__ __device__ constexpr int expert_major_staged_smem(int K, int mats, bool nvfp4, int tiles = 1,
+                                                           bool sliced = false) {
+  if (sliced || !expert_major_staged_fits(K)) return 2 * expert_major_slice_bytes(tiles);
   return 8 * tiles * expert_major_staged_row_bytes(K) +
          (nvfp4 && tiles == 1 && expert_major_stages_scales(K, mats)
               ? mats * kExpertMajorStagedRows * expert_major_staged_scale_stride(K)
@@ -334,16 +335,17 @@ inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
 
 // Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
 // tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
-// average 8 routes or fewer, although an expert (the shared one above all) with more routes is
+// average fewer than 8 routes, although an expert (the shared one above all) with more routes is
 // then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
-// v3.4). Where both GEMMs can run staged, up to 16 routes on average run two token tiles per item
+// v3.4). Where both GEMMs can run staged, 8 to 16 routes on average run two token tiles per item
 // in the staged kernels, so that an expert is read and decoded once for up to 16 routes (at one
 // tile, qwen3-30b N = 256 read each expert about twice: 333 us against N = 128's 217, docs/PERF.md
-// v3.8). Past that, 4 tiles.
+// v3.8). From 8 on average (qwen3-30b N = 128) two tiles measured 1.04-1.05x per call, at 5
+// (qwen3-next N = 256) 0.91-0.94x (v3.27). Past 8 where they cannot, and past 16, 4 tiles.
 inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
   const int64_t routes = static_cast<int64_t>(n) * top_k;
-  if (routes <= int64_t{8} * experts) return 8;
-  return stageable && routes <= int64_t{16} * experts ? 16 : kExpertMajorGroup;
+  if (stageable && routes >= int64_t{8} * experts && routes <= int64_t{16} * experts) return 16;
+  return routes <= int64_t{8} * experts ? 8 : kExpertMajorGroup;
 }
 
 // Whether a split-K down of one token tile runs over 32-row pairs (moe_expert_down_pairs): four
