@@ -49,6 +49,27 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Runs `enqueue` (which puts work on c.stream) 1 + `rounds` times, each between a pair of events,
+// and returns the milliseconds of each round past the first, which warms up.
+Result<std::vector<double>> time_on_stream(Cleanup& c, int rounds, const std::function<Status()>& enqueue) {
+  cudaEvent_t start, stop;
+  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
+  c.events.push_back(start);
+  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
+  c.events.push_back(stop);
+  std::vector<double> ms_each;
+  for (int r = -1; r < rounds; ++r) {
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
+    MOEINFER_RETURN_IF_ERROR(enqueue());
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(stop, c.stream), "cudaEventRecord"));
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventSynchronize(stop), "cudaEventSynchronize"));
+    float ms = 0;
+    MOEINFER_RETURN_IF_ERROR(check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
+    if (r >= 0) ms_each.push_back(static_cast<double>(ms));
+  }
+  return ms_each;
+}
+
 // cuBLAS, opened on first use rather than linked: loading it (and cublasLt, which it needs)
 // costs every process that links moeinfer about 0.1 s and 220 MB before main, and only the
 // bench's peak uses it.
@@ -146,24 +167,15 @@ Result<double> cuda_read_bandwidth(int64_t bytes) {
   MOEINFER_RETURN_IF_ERROR(check(cudaMalloc(&sink, static_cast<size_t>(blocks) * sizeof(float)), "cudaMalloc (sink)"));
   c.device.push_back(sink);
   MOEINFER_RETURN_IF_ERROR(check(cudaMemsetAsync(data, 0, static_cast<size_t>(bytes), c.stream), "cudaMemset"));
-  cudaEvent_t start, stop;
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
-  c.events.push_back(start);
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
-  c.events.push_back(stop);
   const int64_t count = bytes / 16;
+  Result<std::vector<double>> ms_each = time_on_stream(c, 6, [&] {
+    return check(cuda::launch_stream_read(static_cast<const float4*>(data), count, static_cast<float*>(sink), blocks,
+                                          c.stream),
+                 "stream_read");
+  });
+  if (!ms_each.ok()) return ms_each.status();
   std::vector<double> gbps;
-  for (int i = 0; i < 7; ++i) {
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
-    MOEINFER_RETURN_IF_ERROR(check(cuda::launch_stream_read(static_cast<const float4*>(data), count,
-                                                            static_cast<float*>(sink), blocks, c.stream),
-                                   "stream_read"));
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(stop, c.stream), "cudaEventRecord"));
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventSynchronize(stop), "cudaEventSynchronize"));
-    float ms = 0;
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
-    if (i > 0) gbps.push_back(static_cast<double>(count * 16) / (ms * 1e-3) / 1e9);  // first pass warms up
-  }
+  for (const double ms : *ms_each) gbps.push_back(static_cast<double>(count * 16) / (ms * 1e-3) / 1e9);
   return median(gbps);
 }
 
@@ -231,22 +243,15 @@ Result<double> cuda_bf16_peak_tflops(int size) {
           "the bf16 peak GEMM computed C({}, {}) = {} where the host sums {} (tolerance {})", i, j, got, exact, tolerance));
     }
   }
-  cudaEvent_t start, stop;
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
-  c.events.push_back(start);
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
-  c.events.push_back(stop);
   constexpr int kGemmsPerRound = 4;
-  std::vector<double> tflops;
-  for (int r = -1; r < 5; ++r) {  // round -1 warms up
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
+  Result<std::vector<double>> ms_each = time_on_stream(c, 5, [&]() -> Status {
     for (int g = 0; g < kGemmsPerRound; ++g) MOEINFER_RETURN_IF_ERROR(gemm());
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(stop, c.stream), "cudaEventRecord"));
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventSynchronize(stop), "cudaEventSynchronize"));
-    float ms = 0;
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
-    if (r >= 0) tflops.push_back(2.0 * static_cast<double>(count) * size * kGemmsPerRound / (ms * 1e-3) / 1e12);
-  }
+    return {};
+  });
+  if (!ms_each.ok()) return ms_each.status();
+  std::vector<double> tflops;
+  const double flops = 2.0 * static_cast<double>(count) * size * kGemmsPerRound;
+  for (const double ms : *ms_each) tflops.push_back(flops / (ms * 1e-3) / 1e12);
   return median(tflops);
 }
 
@@ -270,24 +275,16 @@ Status capture(Cleanup& c, const std::function<Status()>& enqueue) {
 // A warm-up round, then `reps` timed rounds replaying every graph of c once: the median round's
 // microseconds per graph.
 Result<double> time_rounds(Cleanup& c, int reps) {
-  cudaEvent_t start, stop;
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&start), "cudaEventCreate"));
-  c.events.push_back(start);
-  MOEINFER_RETURN_IF_ERROR(check(cudaEventCreate(&stop), "cudaEventCreate"));
-  c.events.push_back(stop);
   // The graphs' inputs were copied through the legacy stream, which c.stream (non-blocking) does
   // not wait for, and a pageable copy may return before its DMA lands.
   MOEINFER_RETURN_IF_ERROR(check(cudaDeviceSynchronize(), "inputs before the replays"));
-  std::vector<double> per_call_us;
-  for (int r = -1; r < reps; ++r) {
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(start, c.stream), "cudaEventRecord"));
+  Result<std::vector<double>> ms_each = time_on_stream(c, reps, [&]() -> Status {
     for (cudaGraphExec_t e : c.execs) MOEINFER_RETURN_IF_ERROR(check(cudaGraphLaunch(e, c.stream), "cudaGraphLaunch"));
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventRecord(stop, c.stream), "cudaEventRecord"));
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventSynchronize(stop), "cudaEventSynchronize"));
-    float ms = 0;
-    MOEINFER_RETURN_IF_ERROR(check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
-    if (r >= 0) per_call_us.push_back(static_cast<double>(ms) * 1e3 / static_cast<double>(c.execs.size()));
-  }
+    return {};
+  });
+  if (!ms_each.ok()) return ms_each.status();
+  std::vector<double> per_call_us;
+  for (const double ms : *ms_each) per_call_us.push_back(ms * 1e3 / static_cast<double>(c.execs.size()));
   return median(per_call_us);
 }
 
