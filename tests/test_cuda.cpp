@@ -195,10 +195,10 @@ TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
 // - two-tile slices: gate_up at K = 1152, which stages whole but whose two-tile gate_up stages
 //   512 columns at a time: two whole slices and a last one of one NVFP4 chunk.
 // Calls keep one token tile per item below N = 16. From it (8 routes per expert on average), where
-// both GEMMs stage whole, they run two (N = 24: some items fill one tile, the shared expert's 24
+// the down stages whole, they run two (N = 24: some items fill one tile, the shared expert's 24
 // routes make a full item and a partial one; N = 32: 16 routes per expert on average), gate_up
-// staged in slices; elsewhere N = 16 keeps one, and with the staged kernels forbidden, N = 24 and
-// 32 run 4 token tiles, split-K.
+// staged in slices (at K = 3088 and 4096 too); where the down stages in slices N = 16 keeps one,
+// and with the staged kernels forbidden, N = 24 and 32 run 4 token tiles, split-K.
 // The staged calls run three times: down blocks of one pass of 64 rows, of two and of four passes
 // over one staging (except the sliced and scale-copying kernels, which make one; gate_up always
 // one). The ragged shape's 272 down rows leave the last two- and four-pass blocks a partial first
@@ -232,9 +232,8 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
                                  QuantSpec{WeightFormat::kFP8, Fp8Scaling::kPerChannel}, QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 11));
       for (const int64_t n : {1, 3, 8, 16, 24, 32}) {
-        const bool whole = !gate_up_sliced && !down_sliced;
-        const int group = whole && n >= 16 ? 16 : n <= 16 ? 8 : cuda::kExpertMajorGroup;
-        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, whole), group);
+        const int group = !down_sliced && n >= 16 ? 16 : n <= 16 ? 8 : cuda::kExpertMajorGroup;
+        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, !down_sliced), group);
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
         std::vector<float> expected(tokens.size());
@@ -931,6 +930,8 @@ TEST(ExpertMajorSizing, StagedKernelsRunWhereTheyFillTheGpu) {
   // 7168 stages only in slices: split-K unless forced.
   EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 7168, 1000, 132));
   EXPECT_TRUE(cuda::expert_major_staged(1, 8, 2048, 7168, 1, 132));
+  // At two token tiles (DeepSeek-V3 N = 256: about 273 items) it runs staged in slices.
+  EXPECT_TRUE(cuda::expert_major_staged(-1, 16, 2048, 7168, 273, 132));
   EXPECT_TRUE(cuda::expert_major_staged(-1, 8, 2048, 3008, 33, 132));  // the widest K staged whole
   EXPECT_FALSE(cuda::expert_major_staged(-1, 8, 2048, 3008, 32, 132));
   EXPECT_TRUE(cuda::expert_major_staged(1, 8, 768, 2048, 1, 132));
@@ -965,14 +966,18 @@ TEST(ExpertMajorSizing, StagedBlocksHoldWholeKOrTwoSlices) {
   EXPECT_LE(cuda::expert_major_staged_smem(2944, 1, true), cuda::kExpertMajorStagedMaxSmem);
 }
 
-// One token tile per item up to 8 routes per expert on average; where both GEMMs can run staged
-// with their activations whole, two up to 16 (the staged kernels' second tile), else 4.
+// One token tile per item up to 8 routes per expert on average; where the down can run staged
+// with its activations whole (the gate_up stages two tiles in slices at any K), two up to 16 (the
+// staged kernels' second tile), else 4.
 TEST(ExpertMajorSizing, StageableCallsRunTwoTokenTilesUpToSixteenRoutesPerExpert) {
-  EXPECT_TRUE(cuda::expert_major_stageable(-1, 2048, 768));  // qwen3-30b
-  EXPECT_TRUE(cuda::expert_major_stageable(1, 3008, 64));
-  EXPECT_FALSE(cuda::expert_major_stageable(-1, 7168, 2048));  // DeepSeek-V3 gate_up: K = 7168
-  EXPECT_FALSE(cuda::expert_major_stageable(-1, 64, 3072));
-  EXPECT_FALSE(cuda::expert_major_stageable(0, 2048, 768));
+  EXPECT_TRUE(cuda::expert_major_stageable(-1, 768));  // qwen3-30b
+  EXPECT_TRUE(cuda::expert_major_stageable(1, 3008));
+  EXPECT_TRUE(cuda::expert_major_stageable(-1, 2048));  // DeepSeek-V3: the down's K = 2048
+  EXPECT_FALSE(cuda::expert_major_stageable(-1, 3072));
+  EXPECT_FALSE(cuda::expert_major_stageable(0, 768));
+  // DeepSeek-V3 (256 experts, top-8): N = 256 averages 8 routes per expert.
+  EXPECT_EQ(cuda::expert_major_group(255, 8, 256, true), 8);
+  EXPECT_EQ(cuda::expert_major_group(256, 8, 256, true), 16);
   // qwen3-30b (128 experts, top-8): N = 128 averages 8 routes per expert, N = 256 16.
   EXPECT_EQ(cuda::expert_major_group(127, 8, 128, true), 8);
   EXPECT_EQ(cuda::expert_major_group(128, 8, 128, true), 16);
@@ -1153,8 +1158,9 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(next, 2), 256), "8 866 S2");  // forced below the auto choice too
   next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
   EXPECT_EQ(choice(next, 32), "8 352 S2");
-  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: gate_up split-K (K = 7168 would be
-  // staged in slices), unless forced.
+  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: at one token tile gate_up split-K
+  // (K = 7168 would be staged in slices) unless forced; from 8 routes per expert (N = 256) two
+  // tiles, gate_up staged in slices.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
   EXPECT_EQ(choice(ds, 1), "8 9 sp");   // down: 448 blocks of H, past one per SM: no fused blend
@@ -1164,11 +1170,15 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // only in a layer with NVFP4 experts (and so makes no four passes)
   EXPECT_EQ(choice(ds, 4), "8 36 wS");
   EXPECT_EQ(choice(ds, 8), "8 72 w2");
-  EXPECT_EQ(choice(ds, 256), "8 546 w2");
+  EXPECT_EQ(choice(ds, 255), "8 544 w2");
+  // 2304 routes: 144 + 1 + 257 items of up to 16; down two passes at 56 x 402 blocks
+  EXPECT_EQ(choice(ds, 256), "16 402 L2");
   ds.nvfp4 = true;
   EXPECT_EQ(choice(ds, 4), "8 36 wS");
-  EXPECT_EQ(choice(ds, 256), "8 546 wS");
-  EXPECT_EQ(choice(ds, 257), "32 330 ss");  // 16 routes per expert only where both stage whole
+  EXPECT_EQ(choice(ds, 255), "8 544 wS");
+  EXPECT_EQ(choice(ds, 256), "16 402 L4");  // four passes: 28 x 402 blocks
+  EXPECT_EQ(choice(ds, 512), "16 546 L4");  // 16 routes per expert
+  EXPECT_EQ(choice(ds, 513), "32 402 ss");
   cuda::DevLayer ds_forced = ds;
   ds_forced.staged = 1;
   EXPECT_EQ(choice(ds_forced, 1), "8 9 LS");

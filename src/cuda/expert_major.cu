@@ -1355,7 +1355,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
   const int max_items = call.max_items;
   if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
-    // Two token tiles (group 16) only where both GEMMs stage whole (expert_major_group).
+    // Two token tiles (group 16) only where the down stages whole (expert_major_stageable).
     const int tiles = call.group / kTile;
     const bool sliced = gate_up ? call.gate_up_sliced : call.down_sliced;
     // Room for the down's scale codes only where it copies them.

@@ -259,19 +259,19 @@ inline constexpr int kExpertMajorStaged2MaxSmem = 2 * kExpertMajorStagedMaxBytes
 static_assert(2 * kExpertMajorSliceBytes <= kExpertMajorStagedMaxBytes);
 
 // Whether one GEMM (`rows` outputs) of an expert-major call runs the staged kernel: never past
-// two token tiles per item (group 16, which expert_major_group picks only where both GEMMs stage
-// their activations whole); else as `mode` forces (1 on, 0 off), or by default (-1) once its grid
+// two token tiles per item (group 16, which expert_major_group picks only where the down stages
+// its activations whole); else as `mode` forces (1 on, 0 off), or by default (-1) once its grid
 // holds 8 blocks per SM and the call 32 work items. Below that the split-K kernel's 4x more blocks
 // keep more loads in flight: on the H200, both GEMMs staged at 4 blocks per SM (qwen3 N = 8, about
 // 1.2 waves of resident blocks) ran 0.93-0.95x, down alone at 9 per SM (N = 4) 1.06-1.07x
 // (docs/PERF.md, v3.7). By default also only where the activations of K columns are staged whole:
 // staged in slices (K past kExpertMajorStagedMaxBytes, DeepSeek-V3's gate_up) they ran
 // 0.77-0.97x against split-K at every N they were chosen for (N = 4-256, docs/PERF.md v3.11), so
-// they run only when forced.
+// at one token tile they run only when forced; at two the split-K kernel would take 4.
 inline bool expert_major_staged(int mode, int group, int rows, int K, int max_items, int sm_count) {
   if (group != 8 && group != 16) return false;
   if (mode >= 0) return mode == 1;
-  if (!expert_major_staged_fits(K)) return false;
+  if (group == 8 && !expert_major_staged_fits(K)) return false;
   const int64_t blocks = static_cast<int64_t>((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows) * max_items;
   return max_items >= 32 && blocks >= int64_t{8} * sm_count;
 }
@@ -323,21 +323,19 @@ inline int expert_major_staged_ahead(int forced, bool nvfp4) {
   return nvfp4 ? 2 : 1;
 }
 
-// Whether both GEMMs of an expert-major call may run the staged kernels with their activations
-// staged whole (K = hidden for gate_up, act_stride for down), and `mode` does not forbid them:
-// where the two-tile kernels run. The two-tile down stages whole (it has no sliced variant); the
-// two-tile gate_up stages in slices at any K, but is held to the same K, where it was measured
-// (sliced at DeepSeek-V3's K = 7168, one tile, it ran 0.77-0.97x against split-K, docs/PERF.md
-// v3.11).
-inline bool expert_major_stageable(int mode, int hidden, int act_stride) {
-  return mode != 0 && expert_major_staged_fits(hidden > act_stride ? hidden : act_stride);
+// Whether an expert-major call may run two token tiles per item, which only the staged kernels
+// hold: its down stages its activations (K = act_stride) whole (the two-tile down has no sliced
+// variant), and `mode` does not forbid staging. The two-tile gate_up stages in slices at any K
+// (DeepSeek-V3's K = 7168 too), decoding each weight once for both tiles.
+inline bool expert_major_stageable(int mode, int act_stride) {
+  return mode != 0 && expert_major_staged_fits(act_stride);
 }
 
 // Routes per work item for a call of n tokens of top-k over `experts` routed experts: one token
 // tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
 // average fewer than 8 routes, although an expert (the shared one above all) with more routes is
 // then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
-// v3.4). Where both GEMMs can run staged, 8 to 16 routes on average run two token tiles per item
+// v3.4). Where the staged kernels can (expert_major_stageable), 8 to 16 routes on average run two token tiles per item
 // in the staged kernels, so that an expert is read and decoded once for up to 16 routes (at one
 // tile, qwen3-30b N = 256 read each expert about twice: 333 us against N = 128's 217, docs/PERF.md
 // v3.8). From 8 on average (qwen3-30b N = 128) two tiles measured 1.04-1.05x per call, at 5
@@ -452,7 +450,7 @@ struct ExpertMajorLaunch {
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   ExpertMajorLaunch c;
-  c.group = expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.hidden, L.act_stride));
+  c.group = expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.act_stride));
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   c.max_items = expert_major_max_items(routes, experts, c.group);
