@@ -1116,9 +1116,9 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // From 8 routes per expert: two token tiles, gate_up in slices; 16 x 193 = 3088, one pass
   EXPECT_EQ(choice(qwen, 128), "16 193 LS");
   EXPECT_EQ(choice(qwen, 256), "16 257 L2");  // 16 x 257 = 4112
-  qwen.nvfp4 = true;
-  EXPECT_EQ(choice(qwen, 128), "16 193 LS");
-  EXPECT_EQ(choice(qwen, 256), "16 257 L2");
+  qwen.nvfp4 = true;  // at two tiles four passes from 8 blocks per SM (1056): 8 x 193 = 1544
+  EXPECT_EQ(choice(qwen, 128), "16 193 L4");
+  EXPECT_EQ(choice(qwen, 256), "16 257 L4");
   EXPECT_EQ(choice(qwen, 257), "32 193 ss");
   cuda::DevLayer forced_off = qwen;
   forced_off.staged = 0;
@@ -1138,6 +1138,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 L4");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 128), "16 193 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sb");  // forcing passes stages nothing
   // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512.
   cuda::DevLayer next;

@@ -277,10 +277,11 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 }
 
 // The 64-row passes a staged down block makes over the activations it stages once (1, 2 or 4),
-// where its kernel neither stages in slices nor copies scale codes, for `rows` outputs: `forced`
-// where it is 1, 2 or 4, else 4 in a layer with NVFP4 experts where the four-pass grid (by the
-// launch's max_items) still holds kExpertMajorFourPassBlocksPerSm blocks per SM, else 2 where the
-// two-pass grid holds kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows'
+// where its kernel neither stages in slices nor copies scale codes, for `rows` outputs of items of
+// `tiles` token tiles: `forced` where it is 1, 2 or 4, else 4 in a layer with NVFP4 experts where
+// the four-pass grid (by the launch's max_items) still holds kExpertMajorFourPassBlocksPerSm blocks
+// per SM (at two tiles kExpertMajorTwoTileFourPassBlocksPerSm), else 2 where the two-pass grid
+// holds kExpertMajorTwoPassBlocksPerSm. Each pass past the first reads its 64 rows'
 // weights against activations already in shared memory: a one-pass block copies 8 or 16 token
 // rows of K bf16 from L2 for 64 x K weights (at two tiles and NVFP4, as many bytes as the
 // weights), and the path between L2 and the SMs, not DRAM, has bounded these kernels
@@ -300,15 +301,24 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 // at qwen3-30b N = 128-256 (16). FP8 (block-128) lost at the same grids: qwen3-next N = 32-256
 // 0.94-0.97x, DeepSeek-V3 N = 16-64 0.96-0.98x. Its weights are twice NVFP4's bytes for the same
 // staging, so a fourth of the stagings saves half as much against them, for half the blocks.
+//
+// The thresholds count one-tile blocks, 7 of which an SM holds; it holds 4 two-tile blocks. At two
+// tiles (v3.31), forced four passes against the one pass the one-tile threshold chose ran
+// 1.02-1.04x at qwen3-30b N = 128 (a four-pass grid of 1544 blocks, 11.7 per SM), and 1.00x against
+// two passes at N = 256. Eight passes per block (the same loop over more rows) measured 0.96-1.03x
+// against four where 20 eight-pass blocks per SM would have chosen them (qwen3-next N = 128-256,
+// DeepSeek-V3 N = 32-256): within these rows' noise, so not kept.
 inline constexpr int kExpertMajorTwoPassBlocksPerSm = 28;
 inline constexpr int kExpertMajorFourPassBlocksPerSm = 20;
-inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count, bool nvfp4) {
+inline constexpr int kExpertMajorTwoTileFourPassBlocksPerSm = 8;
+inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count, bool nvfp4, int tiles = 1) {
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   const auto blocks_per_sm_at_least = [&](int passes, int per_sm) {
     const int64_t rows_per_block = int64_t{passes} * kExpertMajorStagedRows;
     return (rows + rows_per_block - 1) / rows_per_block * max_items >= int64_t{per_sm} * sm_count;
   };
-  if (nvfp4 && blocks_per_sm_at_least(4, kExpertMajorFourPassBlocksPerSm)) return 4;
+  const int four_from = tiles == 2 ? kExpertMajorTwoTileFourPassBlocksPerSm : kExpertMajorFourPassBlocksPerSm;
+  if (nvfp4 && blocks_per_sm_at_least(4, four_from)) return 4;
   return blocks_per_sm_at_least(2, kExpertMajorTwoPassBlocksPerSm) ? 2 : 1;
 }
 
@@ -466,7 +476,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
                          expert_major_stages_scales(L.act_stride, 1);
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
-    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4);
+    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4, c.group / 8);
   }
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   if (c.staged_gate_up && !c.gate_up_sliced) c.gate_up_ahead = ahead;
