@@ -345,11 +345,12 @@ inline bool expert_major_stageable(int mode, int act_stride) {
 // tile (the kernel with the fewest registers, so the most warps per SM) wherever the experts
 // average fewer than 8 routes, although an expert (the shared one above all) with more routes is
 // then read once per 8; measured 1.4-1.5x faster at N = 32-64 than 4 tiles (docs/PERF.md,
-// v3.4). Where the staged kernels can (expert_major_stageable), 8 to 16 routes on average run two token tiles per item
-// in the staged kernels, so that an expert is read and decoded once for up to 16 routes (at one
-// tile, qwen3-30b N = 256 read each expert about twice: 333 us against N = 128's 217, docs/PERF.md
-// v3.8). From 8 on average (qwen3-30b N = 128) two tiles measured 1.04-1.05x per call, at 5
-// (qwen3-next N = 256) 0.91-0.94x (v3.27). Past 8 where they cannot, and past 16, 4 tiles.
+// v3.4). Where the staged kernels can (expert_major_stageable), 8 to 16 routes on average run two
+// token tiles per item in the staged kernels, so that an expert is read and decoded once for up to
+// 16 routes (at one tile, qwen3-30b N = 256 read each expert about twice: 333 us against N = 128's
+// 217, docs/PERF.md v3.8). From 8 on average two tiles measured 1.04-1.05x per call at qwen3-30b
+// N = 128 (v3.27) and 1.13-1.22x at DeepSeek-V3 N = 256, its gate_up in slices of K = 7168 (v3.31);
+// at 5 (qwen3-next N = 256) 0.91-0.94x (v3.27). Past 8 where they cannot, and past 16, 4 tiles.
 inline int expert_major_group(int n, int top_k, int experts, bool stageable) {
   const int64_t routes = static_cast<int64_t>(n) * top_k;
   if (stageable && routes >= int64_t{8} * experts && routes <= int64_t{16} * experts) return 16;
@@ -476,7 +477,8 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
                          expert_major_stages_scales(L.act_stride, 1);
   if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
-    c.down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4, c.group / 8);
+    c.down_passes =
+        expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4, c.group / 8);  // tiles
   }
   const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   if (c.staged_gate_up && !c.gate_up_sliced) c.gate_up_ahead = ahead;
