@@ -311,7 +311,7 @@ inline bool expert_major_staged(int mode, int group, int rows, int K, int max_it
 inline constexpr int kExpertMajorTwoPassBlocksPerSm = 28;
 inline constexpr int kExpertMajorFourPassBlocksPerSm = 20;
 inline constexpr int kExpertMajorTwoTileFourPassBlocksPerSm = 8;
-inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count, bool nvfp4, int tiles = 1) {
+inline int expert_major_staged_passes(int forced, int rows, int max_items, int sm_count, bool nvfp4, int tiles) {
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   const auto blocks_per_sm_at_least = [&](int passes, int per_sm) {
     const int64_t rows_per_block = int64_t{passes} * kExpertMajorStagedRows;
