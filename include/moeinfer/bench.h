@@ -9,8 +9,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moeinfer/backend.h"
@@ -115,6 +117,16 @@ struct BenchResult {
   std::string json() const;
   std::string csv() const;
 };
+
+// A BenchResult back from its json(), for plotting a run made elsewhere (the GPU machine's). Fields
+// added since a file was written take their defaults (JSON from before the compute floor has
+// no peak and no compute columns). Errors name the field that is missing or of the wrong type.
+Result<BenchResult> parse_bench_json(std::string_view text);
+
+// bench.png: the fraction of the binding floor (the larger of the byte and compute floors)
+// against N on a log2 axis, one panel per preset, one line per format and routing (dashed:
+// correlated), hollow squares on compute-bound points. kUnavailable in a build without cairo.
+Status write_bench_png(const BenchResult& result, const std::string& path);
 
 using BenchProgress = std::function<void(int64_t done, int64_t total, const std::string& what)>;
 Result<BenchResult> run_bench(const BenchConfig& config, const BenchProgress& progress = {});

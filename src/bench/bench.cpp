@@ -12,6 +12,7 @@
 #include <numeric>
 #include <set>
 #include <thread>
+#include <type_traits>
 
 #include "moeinfer/backend.h"
 #include "moeinfer/checkpoint.h"
@@ -410,6 +411,65 @@ std::string BenchResult::json() const {
                          {"compute_us", r.compute_us}, {"compute_fraction", r.compute_fraction}, {"bound", r.bound}});
   }
   return j.dump(2) + "\n";
+}
+
+Result<BenchResult> parse_bench_json(std::string_view text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return invalid_argument(fmt::format("bench JSON does not parse: {}", e.what()));
+  }
+  if (!j.is_object()) return invalid_argument("bench JSON: the top level is not an object");
+  // Copies j[key] into *out when the types agree; a missing key is an error only when required.
+  std::string where = "bench JSON";
+  const auto field = [&where](const nlohmann::json& o, const char* key, auto* out, bool required) -> Status {
+    using T = std::remove_pointer_t<decltype(out)>;
+    const auto it = o.find(key);
+    if (it == o.end()) {
+      return required ? invalid_argument(fmt::format("{} has no '{}'", where, key)) : Status::ok_status();
+    }
+    const bool fits = std::is_same_v<T, std::string> ? it->is_string()
+                      : std::is_integral_v<T>        ? it->is_number_integer()
+                                                     : it->is_number();
+    if (!fits) {
+      return invalid_argument(fmt::format("{}: '{}' is {}, not {}", where, key, it->type_name(),
+                                          std::is_same_v<T, std::string> ? "a string"
+                                          : std::is_integral_v<T>        ? "an integer"
+                                                                         : "a number"));
+    }
+    *out = it->template get<T>();
+    return Status::ok_status();
+  };
+  BenchResult result;
+  for (const Status& st : {field(j, "device", &result.device, true), field(j, "read_gbps", &result.read_gbps, true),
+                           field(j, "peak_gflops", &result.peak_gflops, false),
+                           field(j, "peak_how", &result.peak_how, false)}) {
+    if (!st.ok()) return st;
+  }
+  const auto rows = j.find("rows");
+  if (rows == j.end() || !rows->is_array()) return invalid_argument("bench JSON has no 'rows' array");
+  for (size_t i = 0; i < rows->size(); ++i) {
+    const nlohmann::json& o = (*rows)[i];
+    where = fmt::format("bench JSON row {}", i);
+    if (!o.is_object()) return invalid_argument(where + " is not an object");
+    BenchRow r;
+    for (const Status& st :
+         {field(o, "preset", &r.preset, true), field(o, "format", &r.format, true),
+          field(o, "routing", &r.routing, true), field(o, "tokens", &r.tokens, true),
+          field(o, "fraction", &r.fraction, true), field(o, "backend", &r.backend, false),
+          field(o, "path", &r.path, false), field(o, "config", &r.config, false), field(o, "plan", &r.plan, false),
+          field(o, "time_us", &r.time_us, false), field(o, "distinct_experts", &r.distinct_experts, false),
+          field(o, "bytes", &r.bytes, false), field(o, "gbps", &r.gbps, false), field(o, "floor_us", &r.floor_us, false),
+          field(o, "flops", &r.flops, false), field(o, "compute_us", &r.compute_us, false),
+          field(o, "compute_fraction", &r.compute_fraction, false), field(o, "bound", &r.bound, false),
+          field(o, "ranks", &r.ranks, false), field(o, "rank_bytes", &r.rank_bytes, false),
+          field(o, "allreduce_us", &r.allreduce_us, false)}) {
+      if (!st.ok()) return st;
+    }
+    result.rows.push_back(std::move(r));
+  }
+  return result;
 }
 
 std::string BenchResult::csv() const {

@@ -279,8 +279,28 @@ int bench_command(const BenchOptions& opt) {
     f << text;
     if (!f) return fail(Status(StatusCode::kIoError, fmt::format("cannot write {}", file)));
   }
-  fmt::print("wrote {0}/bench.json and {0}/bench.csv (plot: scripts/plot_bench.py {0}/bench.json {0}/bench.png)\n",
-             opt.out);
+  const std::string png = (std::filesystem::path(opt.out) / "bench.png").string();
+  const Status drawn = write_bench_png(*result, png);
+  if (drawn.code() == StatusCode::kUnavailable) {  // a build without cairo: the numbers are written
+    fmt::print("wrote {0}/bench.json and {0}/bench.csv; {1}\n", opt.out, drawn.message());
+    return 0;
+  }
+  if (!drawn.ok()) return fail(drawn);
+  fmt::print("wrote {0}/bench.json, {0}/bench.csv and {0}/bench.png\n", opt.out);
+  return 0;
+}
+
+// bench.png from a bench.json written earlier, here or on another machine.
+int plot_command(const std::string& json_path, const std::string& png_path) {
+  std::ifstream f(json_path, std::ios::binary);
+  if (!f) return fail(Status(StatusCode::kNotFound, fmt::format("cannot open {}", json_path)));
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (f.bad()) return fail(Status(StatusCode::kIoError, fmt::format("cannot read {}", json_path)));
+  Result<BenchResult> result = parse_bench_json(text);
+  if (!result.ok()) return fail(Status(result.status().code(), json_path + ": " + result.status().message()));
+  const Status drawn = write_bench_png(*result, png_path);
+  if (!drawn.ok()) return fail(drawn);
+  fmt::print("wrote {} ({} rows)\n", png_path, result->rows.size());
   return 0;
 }
 
@@ -548,7 +568,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--reps", bench.reps, "Timed rounds over all batches; the median is reported")->capture_default_str();
   bench_cmd->add_option("--seed", bench.seed, "Seed of weights and tokens")->capture_default_str();
-  bench_cmd->add_option("--out", bench.out, "Directory for bench.json and bench.csv")->capture_default_str();
+  bench_cmd->add_option("--out", bench.out, "Directory for bench.json, bench.csv and bench.png")->capture_default_str();
+
+  std::string plot_json, plot_png;
+  CLI::App* plot_cmd = app.add_subcommand("plot", "Draw bench.png from a bench.json (the bench draws its own)");
+  plot_cmd->add_option("json", plot_json, "bench.json written by `moeinfer bench`")->required();
+  plot_cmd->add_option("png", plot_png, "The PNG to write")->required();
 
   std::string inspect_dir;
   int inspect_layer = -1;
@@ -644,6 +669,7 @@ int main(int argc, char** argv) {
   }
   if (run_cmd->parsed()) return run_command(run);
   if (inspect_cmd->parsed()) return inspect_command(inspect_dir, inspect_layer);
+  if (plot_cmd->parsed()) return plot_command(plot_json, plot_png);
   if (bench_cmd->parsed()) return bench_command(bench);
   return presets_command();
 }
