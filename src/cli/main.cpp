@@ -145,17 +145,18 @@ int inspect_command(const std::string& dir, int layer) {
   return 0;
 }
 
-std::vector<std::string> split_list(const std::string& s) {
+// A comma-separated option's items. An empty item (`1,,2`, a trailing comma) is refused rather
+// than skipped: it is more likely a value lost in a script than one meant to be left out.
+Result<std::vector<std::string>> split_list(const char* option, const std::string& s) {
   std::vector<std::string> out;
   size_t start = 0;
-  while (start <= s.size()) {
+  while (true) {
     const size_t comma = s.find(',', start);
-    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (!item.empty()) out.push_back(item);
-    if (comma == std::string::npos) break;
+    out.push_back(s.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (out.back().empty()) return invalid_argument(fmt::format("{}: '{}' has an empty item", option, s));
+    if (comma == std::string::npos) return out;
     start = comma + 1;
   }
-  return out;
 }
 
 struct BenchOptions {
@@ -187,25 +188,31 @@ int bench_command(const BenchOptions& opt) {
   }
   if (opt.checkpoint.empty() && opt.layer >= 0) return fail(invalid_argument("--layer needs --checkpoint"));
   BenchConfig cfg;
-  cfg.presets = split_list(opt.presets);
-  for (const std::string& f : split_list(opt.formats)) {
+  Result<std::vector<std::string>> presets = split_list("--preset", opt.presets);
+  Result<std::vector<std::string>> formats = split_list("--format", opt.formats);
+  Result<std::vector<std::string>> tokens = split_list("--tokens", opt.tokens);
+  Result<std::vector<std::string>> routings = split_list("--routing", opt.routing);
+  for (const Status& st : {presets.status(), formats.status(), tokens.status(), routings.status()}) {
+    if (!st.ok()) return fail(st);
+  }
+  cfg.presets = *presets;
+  for (const std::string& f : *formats) {
     Result<QuantSpec> spec = parse_quant_spec(f);
     if (!spec.ok()) return fail(spec.status());
     cfg.formats.push_back(*spec);
   }
   cfg.tokens.clear();
-  for (const std::string& t : split_list(opt.tokens)) {
-    try {
-      size_t used = 0;
-      const long long v = std::stoll(t, &used);
-      if (used != t.size() || v < 1 || v > 65536) throw std::invalid_argument(t);
-      cfg.tokens.push_back(v);
-    } catch (const std::exception&) {
+  for (const std::string& t : *tokens) {
+    // Digits only: stoll alone would also take a sign and leading spaces.
+    const bool digits = t.size() <= 5 && std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const long long v = digits ? std::stoll(t) : 0;
+    if (v < 1 || v > 65536) {
       return fail(invalid_argument(fmt::format("--tokens: '{}' is not a token count in [1, 65536]", t)));
     }
+    cfg.tokens.push_back(v);
   }
   cfg.routings.clear();
-  for (const std::string& r : split_list(opt.routing)) {
+  for (const std::string& r : *routings) {
     Result<TokenRouting> routing = parse_token_routing(r);
     if (!routing.ok()) return fail(routing.status());
     cfg.routings.push_back(*routing);
