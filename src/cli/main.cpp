@@ -267,6 +267,16 @@ int bench_command(const BenchOptions& opt) {
   cfg.checkpoint = opt.checkpoint;
   cfg.layer = opt.layer;
 
+  // --out before the run, which can take minutes, rather than after it. Every rank checks it (one
+  // host, one answer), so that none leaves the others waiting in a collective.
+  std::error_code ec;
+  std::filesystem::create_directories(opt.out, ec);
+  if (ec || !std::filesystem::is_directory(opt.out)) {
+    return fail(Status(StatusCode::kIoError, fmt::format("--out {}: {}", opt.out,
+                                                         ec ? "cannot create the directory: " + ec.message()
+                                                            : std::string("not a directory"))));
+  }
+
   // Under expert parallelism every rank measures; rank 0 alone reports and writes.
   const bool quiet = ep_rank() != 0;
   Result<BenchResult> result = [&] {
@@ -277,8 +287,6 @@ int bench_command(const BenchOptions& opt) {
   if (!result.ok()) return fail(result.status());
   if (quiet) return 0;
   fmt::print("{}", result->table());
-  std::error_code ec;
-  std::filesystem::create_directories(opt.out, ec);
   for (const auto& [name, text] : {std::pair<std::string, std::string>{"bench.json", result->json()},
                                    std::pair<std::string, std::string>{"bench.csv", result->csv()}}) {
     const std::string file = (std::filesystem::path(opt.out) / name).string();
