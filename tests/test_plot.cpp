@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <tuple>
 
 #include "bench/plot.h"
 #include "moeinfer/bench.h"
@@ -162,22 +163,40 @@ TEST(BenchPlot, PanelsWrapAfterThree) {
   }
 }
 
-// The legend covers no marker when a corner is free, wherever the lines run.
+// The legend covers no marker when some place is free, wherever the lines run: rising, falling,
+// and a CPU run whose six lines leave every corner a marker (the edge's middle is free).
 TEST(BenchPlot, LegendLeavesThePointsVisible) {
-  for (const bool rising : {true, false}) {
+  const auto rows_of = [](const std::vector<std::tuple<const char*, const char*, int64_t, double>>& points) {
     BenchResult result;
     result.device = "d";
+    for (const auto& [format, routing, tokens, value] : points) {
+      result.rows.push_back(make_row("p", format, routing, tokens, value));
+    }
+    return result;
+  };
+  std::vector<std::pair<std::string, BenchResult>> cases;
+  for (const bool rising : {true, false}) {
+    std::vector<std::tuple<const char*, const char*, int64_t, double>> points;
     for (int e = 0; e <= 8; ++e) {
       const double v = rising ? 0.1 * e : 0.9 - 0.1 * e;
-      result.rows.push_back(make_row("p", "nvfp4", "independent", int64_t{1} << e, v));
-      result.rows.push_back(make_row("p", "nvfp4", "correlated", int64_t{1} << e, v + 0.05));
+      points.emplace_back("nvfp4", "independent", int64_t{1} << e, v);
+      points.emplace_back("nvfp4", "correlated", int64_t{1} << e, v + 0.05);
     }
+    cases.emplace_back(rising ? "rising" : "falling", rows_of(points));
+  }
+  cases.emplace_back("cpu", rows_of({{"nvfp4", "independent", 1, 0.38}, {"nvfp4", "independent", 4, 0.36},
+                                     {"nvfp4", "correlated", 1, 0.37}, {"nvfp4", "correlated", 4, 0.29},
+                                     {"fp8-block", "independent", 1, 0.51}, {"fp8-block", "independent", 4, 0.49},
+                                     {"fp8-block", "correlated", 1, 0.51}, {"fp8-block", "correlated", 4, 0.42},
+                                     {"bf16", "independent", 1, 0.86}, {"bf16", "independent", 4, 0.98},
+                                     {"bf16", "correlated", 1, 1.05}, {"bf16", "correlated", 4, 0.95}}));
+  for (const auto& [name, result] : cases) {
     const PlotPanel panel = take(bench_plot(result)).panels[0];
-    EXPECT_TRUE(panel.area.contains(panel.legend.left, panel.legend.top));
-    EXPECT_TRUE(panel.area.contains(panel.legend.right(), panel.legend.bottom()));
+    EXPECT_TRUE(panel.area.contains(panel.legend.left, panel.legend.top)) << name;
+    EXPECT_TRUE(panel.area.contains(panel.legend.right(), panel.legend.bottom())) << name;
     for (const PlotSeries& s : panel.series) {
       for (const PlotPoint& p : s.points) {
-        EXPECT_FALSE(panel.legend.contains(p.x, p.y)) << (rising ? "rising " : "falling ") << s.label << " N=" << p.tokens;
+        EXPECT_FALSE(panel.legend.contains(p.x, p.y)) << name << " " << s.label << " N=" << p.tokens;
       }
     }
   }

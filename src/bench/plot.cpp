@@ -137,16 +137,17 @@ Result<BenchPlot> bench_plot(const BenchResult& result) {
       panel.series.push_back(std::move(s));
     }
 
-    // The legend: one row per series, in whichever corner hides the least (ties: the first of
-    // lower right, upper left, lower left, upper right).
+    // The legend: one row per series, where it hides the least of nine places (corners first,
+    // then the edges' middles, then the centre; the first of equals).
     size_t longest = 0;
     for (const PlotSeries& s : panel.series) longest = std::max(longest, s.label.size());
     const double w = kLegendSample + kLegendCharWidth * static_cast<double>(longest) + 10;
     const double h = kPlotLegendRow * static_cast<double>(panel.series.size()) + 8;
-    const double left = a.left + kLegendInset, right = a.right() - kLegendInset - w;
-    const double upper = a.top + kLegendInset, lower = a.bottom() - kLegendInset - h;
+    const double left = a.left + kLegendInset, right = a.right() - kLegendInset - w, centre = a.left + (a.width - w) / 2;
+    const double upper = a.top + kLegendInset, lower = a.bottom() - kLegendInset - h, middle = a.top + (a.height - h) / 2;
     int best = -1;
-    for (const auto& [x, y] : {std::pair{right, lower}, {left, upper}, {left, lower}, {right, upper}}) {
+    for (const auto& [x, y] : {std::pair{right, lower}, {left, upper}, {left, lower}, {right, upper}, {right, middle},
+                               {left, middle}, {centre, upper}, {centre, lower}, {centre, middle}}) {
       const PlotRect box{x, y, w, h};
       const int cost = legend_cost(box, panel.series);
       if (best < 0 || cost < best) best = cost, panel.legend = box;
