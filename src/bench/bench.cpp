@@ -398,17 +398,74 @@ std::string BenchResult::table() const {
   return s;
 }
 
+namespace {
+
+// The JSON keys of a result and of its rows, each with its member and whether reading a file
+// requires it (files from before the compute floor lack the rest), in one list for the writer
+// and the reader. `visit(key, member, required)`; Result and Row may be const.
+template <class Result, class Visit>
+void visit_result_fields(Result& r, Visit&& visit) {
+  visit("device", r.device, true);
+  visit("read_gbps", r.read_gbps, true);
+  visit("peak_gflops", r.peak_gflops, false);
+  visit("peak_how", r.peak_how, false);
+}
+
+template <class Row, class Visit>
+void visit_row_fields(Row& r, Visit&& visit) {
+  visit("preset", r.preset, true);
+  visit("format", r.format, true);
+  visit("routing", r.routing, true);
+  visit("tokens", r.tokens, true);
+  visit("fraction", r.fraction, true);
+  visit("backend", r.backend, false);
+  visit("path", r.path, false);
+  visit("config", r.config, false);
+  visit("plan", r.plan, false);
+  visit("time_us", r.time_us, false);
+  visit("distinct_experts", r.distinct_experts, false);
+  visit("bytes", r.bytes, false);
+  visit("gbps", r.gbps, false);
+  visit("floor_us", r.floor_us, false);
+  visit("flops", r.flops, false);
+  visit("compute_us", r.compute_us, false);
+  visit("compute_fraction", r.compute_fraction, false);
+  visit("bound", r.bound, false);
+  visit("ranks", r.ranks, false);
+  visit("rank_bytes", r.rank_bytes, false);
+  visit("allreduce_us", r.allreduce_us, false);
+}
+
+// Copies o[key] into `out` when the types agree; a missing key is an error only when required.
+// `where` names the object in the error.
+template <class T>
+Status read_field(const nlohmann::json& o, const std::string& where, const char* key, T& out, bool required) {
+  const auto it = o.find(key);
+  if (it == o.end()) return required ? invalid_argument(fmt::format("{} has no '{}'", where, key)) : Status::ok_status();
+  const bool fits = std::is_same_v<T, std::string> ? it->is_string()
+                    : std::is_integral_v<T>        ? it->is_number_integer()
+                                                   : it->is_number();
+  if (!fits) {
+    return invalid_argument(fmt::format("{}: '{}' is {}, not {}", where, key, it->type_name(),
+                                        std::is_same_v<T, std::string> ? "a string"
+                                        : std::is_integral_v<T>        ? "an integer"
+                                                                       : "a number"));
+  }
+  out = it->template get<T>();
+  return Status::ok_status();
+}
+
+}  // namespace
+
 std::string BenchResult::json() const {
-  nlohmann::json j = {{"device", device},       {"read_gbps", read_gbps}, {"peak_gflops", peak_gflops},
-                      {"peak_how", peak_how},   {"rows", nlohmann::json::array()}};
+  nlohmann::json j = nlohmann::json::object();
+  const auto write = [](nlohmann::json& o) { return [&o](const char* key, const auto& v, bool) { o[key] = v; }; };
+  visit_result_fields(*this, write(j));
+  j["rows"] = nlohmann::json::array();
   for (const BenchRow& r : rows) {
-    j["rows"].push_back({{"preset", r.preset}, {"format", r.format}, {"routing", r.routing}, {"tokens", r.tokens},
-                         {"backend", r.backend}, {"path", r.path}, {"config", r.config}, {"plan", r.plan},
-                         {"time_us", r.time_us},
-                         {"distinct_experts", r.distinct_experts}, {"bytes", r.bytes}, {"gbps", r.gbps},
-                         {"floor_us", r.floor_us}, {"fraction", r.fraction}, {"ranks", r.ranks},
-                         {"rank_bytes", r.rank_bytes}, {"allreduce_us", r.allreduce_us}, {"flops", r.flops},
-                         {"compute_us", r.compute_us}, {"compute_fraction", r.compute_fraction}, {"bound", r.bound}});
+    nlohmann::json o = nlohmann::json::object();
+    visit_row_fields(r, write(o));
+    j["rows"].push_back(std::move(o));
   }
   return j.dump(2) + "\n";
 }
@@ -421,52 +478,24 @@ Result<BenchResult> parse_bench_json(std::string_view text) {
     return invalid_argument(fmt::format("bench JSON does not parse: {}", e.what()));
   }
   if (!j.is_object()) return invalid_argument("bench JSON: the top level is not an object");
-  // Copies j[key] into *out when the types agree; a missing key is an error only when required.
-  std::string where = "bench JSON";
-  const auto field = [&where](const nlohmann::json& o, const char* key, auto* out, bool required) -> Status {
-    using T = std::remove_pointer_t<decltype(out)>;
-    const auto it = o.find(key);
-    if (it == o.end()) {
-      return required ? invalid_argument(fmt::format("{} has no '{}'", where, key)) : Status::ok_status();
-    }
-    const bool fits = std::is_same_v<T, std::string> ? it->is_string()
-                      : std::is_integral_v<T>        ? it->is_number_integer()
-                                                     : it->is_number();
-    if (!fits) {
-      return invalid_argument(fmt::format("{}: '{}' is {}, not {}", where, key, it->type_name(),
-                                          std::is_same_v<T, std::string> ? "a string"
-                                          : std::is_integral_v<T>        ? "an integer"
-                                                                         : "a number"));
-    }
-    *out = it->template get<T>();
-    return Status::ok_status();
+  Status first;  // the first field that could not be read
+  const auto read = [&first](const nlohmann::json& o, const std::string& where) {
+    return [&first, &o, where](const char* key, auto& out, bool required) {
+      if (first.ok()) first = read_field(o, where, key, out, required);
+    };
   };
   BenchResult result;
-  for (const Status& st : {field(j, "device", &result.device, true), field(j, "read_gbps", &result.read_gbps, true),
-                           field(j, "peak_gflops", &result.peak_gflops, false),
-                           field(j, "peak_how", &result.peak_how, false)}) {
-    if (!st.ok()) return st;
-  }
+  visit_result_fields(result, read(j, "bench JSON"));
+  if (!first.ok()) return first;
   const auto rows = j.find("rows");
   if (rows == j.end() || !rows->is_array()) return invalid_argument("bench JSON has no 'rows' array");
   for (size_t i = 0; i < rows->size(); ++i) {
     const nlohmann::json& o = (*rows)[i];
-    where = fmt::format("bench JSON row {}", i);
+    const std::string where = fmt::format("bench JSON row {}", i);
     if (!o.is_object()) return invalid_argument(where + " is not an object");
     BenchRow r;
-    for (const Status& st :
-         {field(o, "preset", &r.preset, true), field(o, "format", &r.format, true),
-          field(o, "routing", &r.routing, true), field(o, "tokens", &r.tokens, true),
-          field(o, "fraction", &r.fraction, true), field(o, "backend", &r.backend, false),
-          field(o, "path", &r.path, false), field(o, "config", &r.config, false), field(o, "plan", &r.plan, false),
-          field(o, "time_us", &r.time_us, false), field(o, "distinct_experts", &r.distinct_experts, false),
-          field(o, "bytes", &r.bytes, false), field(o, "gbps", &r.gbps, false), field(o, "floor_us", &r.floor_us, false),
-          field(o, "flops", &r.flops, false), field(o, "compute_us", &r.compute_us, false),
-          field(o, "compute_fraction", &r.compute_fraction, false), field(o, "bound", &r.bound, false),
-          field(o, "ranks", &r.ranks, false), field(o, "rank_bytes", &r.rank_bytes, false),
-          field(o, "allreduce_us", &r.allreduce_us, false)}) {
-      if (!st.ok()) return st;
-    }
+    visit_row_fields(r, read(o, where));
+    if (!first.ok()) return first;
     result.rows.push_back(std::move(r));
   }
   return result;
