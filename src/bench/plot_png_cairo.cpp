@@ -25,6 +25,14 @@ void text_at(cairo_t* cr, const std::string& text, double x, double y, double si
   cairo_show_text(cr, text.c_str());
 }
 
+// A series' pen: its colour, 2 pixels wide, dashed where its routing is not independent.
+void series_pen(cairo_t* cr, const PlotSeries& s) {
+  set_rgb(cr, kPlotPalette[s.color]);
+  cairo_set_line_width(cr, 2.0);
+  const double dash[] = {7.0, 4.0};
+  cairo_set_dash(cr, dash, s.dashed ? 2 : 0, 0);
+}
+
 void line(cairo_t* cr, double x0, double y0, double x1, double y1) {
   cairo_move_to(cr, x0, y0);
   cairo_line_to(cr, x1, y1);
@@ -74,10 +82,7 @@ void draw_panel(cairo_t* cr, const PlotPanel& panel) {
   cairo_rectangle(cr, a.left, a.top, a.width, a.height);
   cairo_clip(cr);
   for (const PlotSeries& s : panel.series) {
-    set_rgb(cr, kPlotPalette[s.color]);
-    cairo_set_line_width(cr, 2.0);
-    const double dash[] = {7.0, 4.0};
-    cairo_set_dash(cr, dash, s.dashed ? 2 : 0, 0);
+    series_pen(cr, s);
     for (size_t i = 0; i < s.points.size(); ++i) {
       (i == 0 ? cairo_move_to : cairo_line_to)(cr, s.points[i].x, s.points[i].y);
     }
@@ -99,10 +104,7 @@ void draw_panel(cairo_t* cr, const PlotPanel& panel) {
   for (size_t i = 0; i < panel.series.size(); ++i) {
     const PlotSeries& s = panel.series[i];
     const double y = l.top + 4 + kPlotLegendRow * (static_cast<double>(i) + 0.5);
-    set_rgb(cr, kPlotPalette[s.color]);
-    cairo_set_line_width(cr, 2.0);
-    const double dash[] = {7.0, 4.0};
-    cairo_set_dash(cr, dash, s.dashed ? 2 : 0, 0);
+    series_pen(cr, s);
     line(cr, l.left + 6, y, l.left + 36, y);
     cairo_set_dash(cr, nullptr, 0, 0);
     marker(cr, {0, 0, false, l.left + 21, y}, kPlotPalette[s.color]);
