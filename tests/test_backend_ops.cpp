@@ -5,8 +5,10 @@
 // <variant>_<format>_n<N>. Backends that this build or machine lacks are skipped with the
 // reason printed; the Hugging Face mirror (tests/hf_mirror.h) always runs, so the reference
 // itself is checked against an independent evaluation on every case.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <string>
@@ -119,7 +121,8 @@ struct Fixture {
   std::vector<float> expected;
 };
 
-Fixture make_fixture(const Case& c) {
+// token_seed > 0 draws other tokens for the same case.
+Fixture make_fixture(const Case& c, uint64_t token_seed = 0) {
   Fixture f;
   const LayerDesc desc = family_layer(c.variant.family, c.variant.shape);
   const QuantSpec spec = testing::take(parse_quant_spec(c.format));
@@ -129,7 +132,7 @@ Fixture make_fixture(const Case& c) {
     f.layer->router = testing::take(
         QuantMatrix::quantize(r.dequantize(), r.rows, r.cols, testing::take(parse_quant_spec(c.variant.router_format))));
   }
-  f.x = make_tokens(c.n, desc.hidden, /*seed=*/11 + static_cast<uint64_t>(c.n));
+  f.x = make_tokens(c.n, desc.hidden, /*seed=*/11 + static_cast<uint64_t>(c.n) + 1000 * token_seed);
   if (c.variant.identical_tokens) {
     for (int64_t t = 1; t < c.n; ++t) std::copy_n(f.x.begin(), desc.hidden, f.x.begin() + t * desc.hidden);
   }
@@ -207,6 +210,31 @@ TEST(BackendOpsCpu, CallsPastOneBatchMatchTheReference) {
         return cpu->forward(*f.layer, f.x, kN, out, nullptr);
       });
     }
+  }
+}
+
+// The CPU backend keeps its buffers from call to call. One backend object runs calls of several
+// layers, sizes and formats in turn, and the same case twice with other tokens; each output is
+// poisoned and compared with the reference. A buffer element that a call did not rewrite would
+// carry an earlier call's values into a later one.
+TEST(BackendOpsCpu, OneBackendCallAfterCallMatchesTheReference) {
+  struct Step {
+    std::string variant, format;
+    int64_t n;
+    uint64_t token_seed;
+  };
+  const std::vector<Step> steps = {{"deepseek", "nvfp4", 600, 0}, {"qwen3next", "bf16", 3, 0},
+                                   {"qwen3next", "bf16", 3, 1},   {"tails", "fp8-block", 64, 0},
+                                   {"deepseek", "nvfp4", 5, 0},   {"deepseek", "nvfp4", 5, 1},
+                                   {"qwen3next", "bf16", 600, 0}, {"deepseek", "nvfp4", 1, 0}};
+  std::unique_ptr<Backend> cpu = testing::take(make_backend(BackendKind::kCpu, BackendOptions{}));
+  const std::vector<Variant> all = variants();
+  for (const Step& step : steps) {
+    const auto v = std::find_if(all.begin(), all.end(), [&](const Variant& x) { return x.name == step.variant; });
+    ASSERT_NE(v, all.end()) << step.variant;
+    const Fixture f = make_fixture(Case{*v, step.format, step.n}, step.token_seed);
+    check_against_reference(f, fmt::format("{} {} n={} tokens {}", step.variant, step.format, step.n, step.token_seed),
+                            1e-4, [&](std::span<float> out) { return cpu->forward(*f.layer, f.x, step.n, out, nullptr); });
   }
 }
 

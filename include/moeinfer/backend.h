@@ -37,6 +37,8 @@ struct BackendOptions {
   std::optional<PathKind> path;  // force a path (CUDA); nullopt lets plan() choose
 };
 
+// One backend object serves one caller at a time: forward() keeps buffers and state (the
+// prepared layer, workspaces) from call to call. Use one object per thread that calls.
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -431,13 +431,14 @@ struct ExpertJob {
 // with one barrier between the gate_up rows and the down rows. A call so pays two barriers per
 // batch, not two per expert plus a fork: on a machine whose cores other processes also use, each
 // barrier can wait a scheduler time slice for a descheduled thread (PERF.md, CPU backend v4).
-void run_jobs(const LayerDesc& d, std::vector<ExpertJob>& jobs) {
+void run_jobs(const LayerDesc& d, std::span<ExpertJob> jobs) {
   const int64_t h = d.hidden;
   int64_t elements = 0, max_m = 0;
   for (ExpertJob& job : jobs) {
     const int64_t inter = job.w->gate.rows;
-    job.act.assign(static_cast<size_t>(job.m * inter), 0.0f);
-    job.y.assign(static_cast<size_t>(job.m * h), 0.0f);
+    // Every element is written below (the threads' rows cover all of them).
+    job.act.resize(static_cast<size_t>(job.m * inter));
+    job.y.resize(static_cast<size_t>(job.m * h));
     elements += 3 * inter * h;
     max_m = std::max(max_m, job.m);
   }
@@ -484,7 +485,6 @@ class CpuBackend final : public Backend {
   Status prepare(const Layer& layer, int64_t, const ProgressFn&) override {
     if (layer_id_ == layer.id()) return {};
     MOEINFER_RETURN_IF_ERROR(layer.check());
-    router_ = layer.router.dequantize();  // small; decoded once per layer
     layer_id_ = layer.id();
     return {};
   }
@@ -500,15 +500,25 @@ class CpuBackend final : public Backend {
     }
     MOEINFER_RETURN_IF_ERROR(prepare(layer, n, {}));
 
-    // Router (float) and selection (the reference's rule: the same ties, the same masking).
+    // Router (float): the router's rows over the threads, each row decoded once per tile of up to
+    // kCpuTokenTile tokens, as the experts' rows are. Then the selection, token by token (the
+    // reference's rule: the same ties, the same masking).
+    std::vector<float> router_logits(static_cast<size_t>(n * outputs));
+#pragma omp parallel if (outputs * h * n >= kParallelMinElements)
+    {
+      std::vector<float> row, dots(static_cast<size_t>(n));
+#pragma omp for schedule(static)
+      for (int64_t e = 0; e < outputs; ++e) {
+        cpu_row_dots(layer.router, e, x.data(), h, n, dots.data(), row);
+        const float bias = layer.router_bias.empty() ? 0.0f : layer.router_bias[static_cast<size_t>(e)];
+        for (int64_t t = 0; t < n; ++t) router_logits[static_cast<size_t>(t * outputs + e)] = dots[static_cast<size_t>(t)] + bias;
+      }
+    }
     std::vector<int> ids(static_cast<size_t>(n * k));
     std::vector<double> weights(static_cast<size_t>(n * k));
     std::vector<double> logits(static_cast<size_t>(outputs));
     for (int64_t t = 0; t < n; ++t) {
-      for (int64_t e = 0; e < outputs; ++e) {
-        logits[static_cast<size_t>(e)] = dot(router_.data() + e * h, x.data() + t * h, h) +
-                                         (layer.router_bias.empty() ? 0.0f : layer.router_bias[static_cast<size_t>(e)]);
-      }
+      std::copy_n(router_logits.begin() + t * outputs, outputs, logits.begin());
       MOEINFER_RETURN_IF_ERROR(moe_select_reference(d, logits, layer.correction_bias,
                                                     std::span<int>(ids.data() + t * k, static_cast<size_t>(k)),
                                                     std::span<double>(weights.data() + t * k, static_cast<size_t>(k))));
@@ -539,11 +549,17 @@ class CpuBackend final : public Backend {
     int touched = 0;
     int64_t batch_routes = 0;
     std::vector<int> batch_ids;
-    std::vector<ExpertJob> jobs;
+    // The batch's jobs are the first `used` of jobs_, whose buffers are kept from call to call:
+    // allocated afresh, they cost a page fault per 4 KB and a zero fill on every call.
+    size_t used = 0;
+    const auto next_job = [&]() -> ExpertJob& {
+      if (used == jobs_.size()) jobs_.emplace_back();
+      return jobs_[used++];
+    };
     const auto run_batch = [&] {
-      run_jobs(d, jobs);
+      run_jobs(d, std::span<ExpertJob>(jobs_.data(), used));
       for (size_t b = 0; b < batch_ids.size(); ++b) {
-        const ExpertJob& job = jobs[b];
+        const ExpertJob& job = jobs_[b];
         for (int64_t j = 0; j < job.m; ++j) {
           int64_t token = j;
           float s = 1.0f;
@@ -560,7 +576,7 @@ class CpuBackend final : public Backend {
         }
       }
       batch_ids.clear();
-      jobs.clear();
+      used = 0;
       batch_routes = 0;
     };
     for (int e = 0; e < d.num_experts; ++e) {
@@ -569,7 +585,7 @@ class CpuBackend final : public Backend {
       ++touched;
       Result<const ExpertWeights*> w = layer.expert(e);
       if (!w.ok()) return w.status();
-      ExpertJob& job = jobs.emplace_back();
+      ExpertJob& job = next_job();
       job.w = *w;
       job.m = static_cast<int64_t>(routes.size());
       job.in.resize(static_cast<size_t>(job.m * h));
@@ -584,13 +600,13 @@ class CpuBackend final : public Backend {
       if (batch_routes >= kCpuRoutesPerBatch) run_batch();
     }
     if (layer.shared && adds_once) {  // with the last routed batch, added after it
-      ExpertJob& job = jobs.emplace_back();
+      ExpertJob& job = next_job();
       job.w = &*layer.shared;
       job.m = n;
       job.in.assign(x.begin(), x.end());
       batch_ids.push_back(kSharedJob);
     }
-    if (!jobs.empty()) run_batch();
+    if (used > 0) run_batch();
     if (ep_.ranks > 1) {
       MOEINFER_RETURN_IF_ERROR(ep_.reduce(out));
     }
@@ -607,7 +623,7 @@ class CpuBackend final : public Backend {
  private:
   CpuEpConfig ep_;
   uint64_t layer_id_ = 0;
-  std::vector<float> router_;
+  std::vector<ExpertJob> jobs_;  // one batch's, reused by the next batch and the next call
 };
 
 }  // namespace
