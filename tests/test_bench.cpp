@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <regex>
+#include <string>
+
 #include "moeinfer/bench.h"
 #include "moeinfer/presets.h"
 #include "test_util.h"
@@ -47,7 +50,14 @@ TEST(Bench, CpuRowsCarryTheComputeFloor) {
   EXPECT_NE(result.peak_how.find("thread"), std::string::npos) << result.peak_how;
   ASSERT_EQ(result.rows.size(), 2u);
   const LayerDesc d = preset_desc("qwen3-30b-a3b");
+  // Each row names the inner loop and the threads its calls ran on, as the peak's measurement
+  // found them on this host.
+  std::smatch threads;
+  ASSERT_TRUE(std::regex_search(result.peak_how, threads, std::regex("[0-9]+ threads?"))) << result.peak_how;
+  const bool avx2 = result.peak_how.find("AVX2") != std::string::npos;
   for (const BenchRow& r : result.rows) {
+    EXPECT_NE(r.config.find(avx2 ? "AVX2 decode in registers" : "no AVX2"), std::string::npos) << r.config;
+    EXPECT_NE(r.config.find(threads.str()), std::string::npos) << r.config << " against " << result.peak_how;
     EXPECT_EQ(r.flops, call_flops(d, r.tokens, static_cast<double>(r.tokens * d.top_k))) << "N=" << r.tokens;
     EXPECT_NEAR(r.compute_us, r.flops / (result.peak_gflops * 1e3), 1e-9 * r.compute_us);
     EXPECT_NEAR(r.compute_fraction * r.time_us, r.compute_us, 1e-9 * r.compute_us);

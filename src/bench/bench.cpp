@@ -149,6 +149,10 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     if (!b.ok()) return b.status();
     host_backend = std::move(b).value();
   }
+  // The config of a host backend's rows (a CUDA row's comes from its CudaMoe, per N).
+  const std::string host_config = cfg.backend == BackendKind::kCpu         ? cpu_backend_config()
+                                  : cfg.backend == BackendKind::kReference ? std::string("double accumulation")
+                                                                           : std::string();
   // What to run: every preset in every format, or the checkpoint's layer in its own format.
   struct Source {
     std::string name;
@@ -310,7 +314,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.tokens = n;
         row.backend = backend_name(cfg.backend);
         row.path = moe ? path_name(moe->plan().path_for(n)) : backend_name(cfg.backend);
-        row.config = moe ? moe->call_config(n) : std::string();
+        row.config = moe ? moe->call_config(n) : host_config;
         row.plan = plan;
         if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
         if (cfg.staged_passes) row.config += fmt::format("; {} staged pass(es) forced", *cfg.staged_passes);
@@ -351,10 +355,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
 }
 
 std::string BenchResult::table() const {
-  // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce; CUDA
-  // rows the kernels each call launched.
+  // Expert-parallel rows add the ranks, the most bytes one rank reads, and the all-reduce; every
+  // row ends with its config: on CUDA the kernels each call launched, on the CPU its inner loop
+  // and threads.
   const bool ep = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return r.ranks > 0; });
-  const bool kernels = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.config.empty(); });
+  const bool configs = std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.config.empty(); });
   const bool peak = peak_gflops > 0.0;
   std::string s = fmt::format("device {}, measured read bandwidth {:.0f} GB/s, compute peak {}{}\n", device, read_gbps,
                               !peak                ? std::string()
@@ -365,7 +370,7 @@ std::string BenchResult::table() const {
                    "preset", "format", "routing", "N", "path", "time us", "experts", "MB", "GB/s", "floor us", "floor",
                    "GFLOP", "compute us", "compute", "bound");
   if (ep) s += fmt::format(" {:>5} {:>8} {:>12}", "ranks", "rank MB", "allreduce us");
-  s += kernels ? "  kernels\n" : "\n";
+  s += configs ? "  config\n" : "\n";
   for (const BenchRow& r : rows) {
     s += fmt::format("{:<20} {:<11} {:<11} {:>4} {:<11} {:>10.1f} {:>8.1f} {:>9.2f} {:>8.0f} {:>9.1f} {:>5.0f}%",
                      r.preset, r.format, r.routing, r.tokens, r.path, r.time_us, r.distinct_experts, r.bytes / 1e6,
@@ -377,7 +382,7 @@ std::string BenchResult::table() const {
       s += fmt::format(" {:>8.2f} {:>10} {:>7} {:>7}", r.flops / 1e9, "-", "-", "-");
     }
     if (ep) s += fmt::format(" {:>5} {:>8.2f} {:>12.1f}", r.ranks, r.rank_bytes / 1e6, r.allreduce_us);
-    s += kernels ? "  " + r.config + "\n" : "\n";
+    s += configs ? "  " + r.config + "\n" : "\n";
   }
   // A row past its floor read faster than the bandwidth measured once at the start: on a shared
   // machine that measurement can come out low (a 2-core CI machine: 29-31 GB/s idle, 13 with a

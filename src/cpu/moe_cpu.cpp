@@ -371,6 +371,21 @@ float peak_chains_portable(int64_t steps) {
 
 }  // namespace
 
+std::string cpu_backend_config() {
+  bool avx2 = false;
+#if defined(__x86_64__)
+  avx2 = has_avx2_fma_f16c();
+#endif
+  int threads = 1;
+#if defined(_OPENMP)
+  threads = omp_get_max_threads();
+#endif
+  return fmt::format("{}; {} thread{}",
+                     avx2 ? fmt::format("AVX2 decode in registers, up to {} tokens per decode", kCpuTokenTile)
+                          : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
+                     threads, threads == 1 ? "" : "s");
+}
+
 CpuPeak cpu_multiply_add_peak() {
   CpuPeak peak;
 #if defined(__x86_64__)

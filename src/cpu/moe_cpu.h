@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "moeinfer/backend.h"
@@ -39,6 +40,10 @@ inline constexpr int kCpuTokenTile = 8;
 // which is then dotted with each token.
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row);
+
+// What the backend's calls run on this host, for the benchmark's rows: the inner loop the CPU
+// allows (AVX2 with FMA and F16C, or the portable one) and the OpenMP threads.
+std::string cpu_backend_config();
 
 // The host's float multiply-add throughput on the backend's threads (omp_get_max_threads()):
 // independent 8-wide chains of multiply-adds, with AVX2 FMA where the CPU has it, the fastest
