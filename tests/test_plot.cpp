@@ -256,6 +256,22 @@ TEST(BenchJson, OldFilesReadAndBadOnesNameTheProblem) {
             std::string::npos);
   EXPECT_NE(error(R"({"device": "d", "read_gbps": "fast", "rows": []})").find("'read_gbps' is string, not a number"),
             std::string::npos);
+  // Counts and measurements are never negative, integers fit their fields, and a row has at least
+  // one token: such a file was not written by the bench, and would plot nothing where it claims rows.
+  EXPECT_NE(error((head + R"("tokens": -5, "fraction": 0.5}]})").c_str()).find("row 0: 'tokens' is -5, a negative count"),
+            std::string::npos);
+  EXPECT_NE(error((head + R"("tokens": 0, "fraction": 0.5}]})").c_str()).find("row 0: 'tokens' is 0, not a token count"),
+            std::string::npos);
+  EXPECT_NE(error((head + R"("tokens": 18446744073709551615, "fraction": 0.5}]})").c_str())
+                .find("'tokens' is 18446744073709551615, past the largest it can be (9223372036854775807)"),
+            std::string::npos);
+  EXPECT_NE(error((head + R"("tokens": 1, "fraction": 0.5, "ranks": 99999999999}]})").c_str())
+                .find("'ranks' is 99999999999, past the largest it can be (2147483647)"),
+            std::string::npos);
+  EXPECT_NE(error((head + R"("tokens": 1, "fraction": -0.5}]})").c_str()).find("'fraction' is -0.5, a negative measurement"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"device": "d", "read_gbps": -1, "rows": []})").find("bench JSON: 'read_gbps' is -1, a negative"),
+            std::string::npos);
 }
 
 // bench.png shows every point in its series' colour at the pixel the geometry gives it, and a
