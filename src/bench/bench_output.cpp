@@ -118,16 +118,13 @@ template <class T>
 Status read_field(const nlohmann::json& o, const std::string& where, const char* key, T& out, bool required) {
   const auto it = o.find(key);
   if (it == o.end()) return required ? invalid_argument(fmt::format("{} has no '{}'", where, key)) : Status::ok_status();
-  const bool fits = std::is_same_v<T, std::string> ? it->is_string()
-                    : std::is_integral_v<T>        ? it->is_number_integer()
-                                                   : it->is_number();
+  constexpr bool kString = std::is_same_v<T, std::string>, kInteger = std::is_integral_v<T>;
+  const bool fits = kString ? it->is_string() : kInteger ? it->is_number_integer() : it->is_number();
   if (!fits) {
     return invalid_argument(fmt::format("{}: '{}' is {}, not {}", where, key, it->type_name(),
-                                        std::is_same_v<T, std::string> ? "a string"
-                                        : std::is_integral_v<T>        ? "an integer"
-                                                                       : "a number"));
+                                        kString ? "a string" : kInteger ? "an integer" : "a number"));
   }
-  if constexpr (std::is_integral_v<T>) {
+  if constexpr (kInteger) {
     const bool negative = !it->is_number_unsigned() && it->template get<int64_t>() < 0;
     if (negative) return invalid_argument(fmt::format("{}: '{}' is {}, a negative count", where, key, it->dump()));
     if (it->template get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<T>::max())) {

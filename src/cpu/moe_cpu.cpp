@@ -369,31 +369,39 @@ float peak_chains_portable(int64_t steps) {
   return sum;
 }
 
+// What the backend's loops run with on this host: AVX2 (with FMA and F16C) or the portable
+// loops, and the OpenMP threads.
+struct HostLoops {
+  bool avx2 = false;
+  int threads = 1;
+};
+
+HostLoops host_loops() {
+  HostLoops host;
+#if defined(__x86_64__)
+  host.avx2 = has_avx2_fma_f16c();
+#endif
+#if defined(_OPENMP)
+  host.threads = omp_get_max_threads();
+#endif
+  return host;
+}
+
 }  // namespace
 
 std::string cpu_backend_config() {
-  bool avx2 = false;
-#if defined(__x86_64__)
-  avx2 = has_avx2_fma_f16c();
-#endif
-  int threads = 1;
-#if defined(_OPENMP)
-  threads = omp_get_max_threads();
-#endif
+  const HostLoops host = host_loops();
   return fmt::format("{}; {} thread{}",
-                     avx2 ? fmt::format("AVX2 decode in registers, up to {} tokens per decode", kCpuTokenTile)
-                          : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
-                     threads, threads == 1 ? "" : "s");
+                     host.avx2 ? fmt::format("AVX2 decode in registers, up to {} tokens per decode", kCpuTokenTile)
+                               : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
+                     host.threads, host.threads == 1 ? "" : "s");
 }
 
 CpuPeak cpu_multiply_add_peak() {
   CpuPeak peak;
-#if defined(__x86_64__)
-  peak.avx2 = has_avx2_fma_f16c();
-#endif
-#if defined(_OPENMP)
-  peak.threads = omp_get_max_threads();
-#endif
+  const HostLoops host = host_loops();
+  peak.avx2 = host.avx2;
+  peak.threads = host.threads;
   constexpr int64_t kSteps = int64_t{1} << 22;  // about 8 ms per thread at 96 G multiply-adds/s
   double best = 0.0;
   for (int rep = -1; rep < 5; ++rep) {  // pass -1 starts the team and the clocks, untimed
