@@ -181,6 +181,33 @@ struct BenchOptions {
   bool presets_or_formats_given = false;
 };
 
+// A CUDA tuning option of the bench: "auto" leaves `setting` to the backend; "on" or "off" sets it,
+// on the cuda backend only.
+Status cuda_switch(const char* option, const std::string& value, BackendKind backend, std::optional<bool>& setting) {
+  if (value == "auto") return {};
+  if (value != "on" && value != "off") return invalid_argument(fmt::format("{}: '{}' is not auto, on or off", option, value));
+  if (backend != BackendKind::kCuda) return invalid_argument(fmt::format("{} applies to the cuda backend", option));
+  setting = value == "on";
+  return {};
+}
+
+// The same for a count that takes one of `counts`.
+Status cuda_count(const char* option, const std::string& value, std::initializer_list<int> counts, BackendKind backend,
+                  std::optional<int>& setting) {
+  if (value == "auto") return {};
+  std::string allowed = "auto";  // "auto, 1, 2 or 4"
+  std::optional<int> chosen;
+  size_t listed = 0;
+  for (const int c : counts) {
+    allowed += fmt::format("{}{}", ++listed == counts.size() ? " or " : ", ", c);
+    if (value == std::to_string(c)) chosen = c;
+  }
+  if (!chosen) return invalid_argument(fmt::format("{}: '{}' is not {}", option, value, allowed));
+  if (backend != BackendKind::kCuda) return invalid_argument(fmt::format("{} applies to the cuda backend", option));
+  setting = chosen;
+  return {};
+}
+
 int bench_command(const BenchOptions& opt) {
   if (!opt.checkpoint.empty() && opt.presets_or_formats_given) {
     return fail(invalid_argument("--preset and --format apply to presets; a checkpoint's layer and format come from "
@@ -230,35 +257,12 @@ int bench_command(const BenchOptions& opt) {
     if (!path.ok()) return fail(path.status());
     cfg.path = *path;
   }
-  if (opt.staged == "on" || opt.staged == "off") {
-    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged applies to the cuda backend"));
-    cfg.staged = opt.staged == "on";
-  } else if (opt.staged != "auto") {
-    return fail(invalid_argument(fmt::format("--staged: '{}' is not auto, on or off", opt.staged)));
-  }
-  if (opt.staged_passes == "1" || opt.staged_passes == "2" || opt.staged_passes == "4") {
-    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged-passes applies to the cuda backend"));
-    cfg.staged_passes = opt.staged_passes[0] - '0';
-  } else if (opt.staged_passes != "auto") {
-    return fail(invalid_argument(fmt::format("--staged-passes: '{}' is not auto, 1, 2 or 4", opt.staged_passes)));
-  }
-  if (opt.staged_ahead == "1" || opt.staged_ahead == "2") {
-    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--staged-ahead applies to the cuda backend"));
-    cfg.staged_ahead = opt.staged_ahead[0] - '0';
-  } else if (opt.staged_ahead != "auto") {
-    return fail(invalid_argument(fmt::format("--staged-ahead: '{}' is not auto, 1 or 2", opt.staged_ahead)));
-  }
-  if (opt.router_mma == "on" || opt.router_mma == "off") {
-    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--router-mma applies to the cuda backend"));
-    cfg.router_mma = opt.router_mma == "on";
-  } else if (opt.router_mma != "auto") {
-    return fail(invalid_argument(fmt::format("--router-mma: '{}' is not auto, on or off", opt.router_mma)));
-  }
-  if (opt.weight_tiles == "on" || opt.weight_tiles == "off") {
-    if (cfg.backend != BackendKind::kCuda) return fail(invalid_argument("--weight-tiles applies to the cuda backend"));
-    cfg.weight_tiles = opt.weight_tiles == "on";
-  } else if (opt.weight_tiles != "auto") {
-    return fail(invalid_argument(fmt::format("--weight-tiles: '{}' is not auto, on or off", opt.weight_tiles)));
+  for (const Status& st : {cuda_switch("--staged", opt.staged, cfg.backend, cfg.staged),
+                           cuda_count("--staged-passes", opt.staged_passes, {1, 2, 4}, cfg.backend, cfg.staged_passes),
+                           cuda_count("--staged-ahead", opt.staged_ahead, {1, 2}, cfg.backend, cfg.staged_ahead),
+                           cuda_switch("--router-mma", opt.router_mma, cfg.backend, cfg.router_mma),
+                           cuda_switch("--weight-tiles", opt.weight_tiles, cfg.backend, cfg.weight_tiles)}) {
+    if (!st.ok()) return fail(st);
   }
   cfg.inputs = opt.inputs;
   cfg.reps = opt.reps;
