@@ -21,6 +21,7 @@
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
+#include "cuda_smem_poison.h"
 #include "ep_cases.h"
 #include "test_util.h"
 
@@ -255,6 +256,9 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
                                .staged_passes = staged ? std::optional<int>(passes) : std::nullopt,
                                .staged_ahead = staged ? std::optional<int>(ahead) : std::nullopt, .weight_tiles = tiles}));
             out.poison();
+            // Shared memory too: the staged kernels leave the columns past an item's routes
+            // unwritten, and no output may depend on them.
+            ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
             ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
             ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
             const std::vector<float> got = out.get();
@@ -309,6 +313,18 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
     }
   }
   EXPECT_EQ(checked, 8 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
+}
+
+// What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
+// when the next kernel starts, so a kernel that reads shared memory it never wrote reads NaN.
+TEST_F(Cuda, SharedMemoryPoisonReachesTheNextKernel) {
+  constexpr int kWords = 8192;  // 32 KB
+  ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
+  std::vector<uint32_t> words(kWords);
+  ASSERT_EQ(testing::read_unwritten_shared_memory(words.data(), kWords), cudaSuccess);
+  EXPECT_EQ(std::count(words.begin(), words.end(), 0xFFFFFFFFu), kWords)
+      << "shared memory did not keep the poison to the next kernel: the staged kernels' check of unwritten columns "
+         "tests nothing on this GPU";
 }
 
 // The router's logits on the tensor cores (x in three bf16 parts, fp32 sums) against the CUDA-core

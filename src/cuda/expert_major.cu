@@ -657,20 +657,27 @@ __device__ __forceinline__ void finish_item(const DevLayer& L, int n, const DevW
 constexpr int kStagersPerColumn = kWarps * kWarp / kTile;
 
 // The activations this thread copies: token column t = threadIdx.x / per_column of the item,
-// route_list[item.y + t] (columns past the item's routes copy its first route's).
+// route_list[item.y + t]; none (nullptr) past the item's routes. Those columns' products are
+// never stored (store_tile skips slots past item.z), and an MMA's output column depends on its
+// own B column alone, so whatever their shared memory holds stays in them. Not copying them
+// saves the path from L2 its duplicate reads: at 1-2 routes per item (the Qwen shapes up to
+// N = 64-128), 6-7 of the 8 columns a one-tile block would otherwise read.
 template <bool kGateUp>
 __device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int n, const DevWorkspace& ws, int4 item,
                                                          int per_column) {
   const int t = threadIdx.x / per_column;
-  const int route = ws.route_list[item.y + (t < item.z ? t : 0)];
+  if (t >= item.z) return nullptr;
+  const int route = ws.route_list[item.y + t];
   return kGateUp ? ws.x_bf16 + static_cast<int64_t>(route_token(L, n, route)) * L.hidden
                  : ws.act_bf16 + static_cast<int64_t>(route) * L.act_stride;
 }
 
 // Copies 16-byte units u0 .. u1 - 1 (columns 8 u0 .. 8 u1 - 1) of this thread's column from `src`
-// into its row of `staged` (rows row_bytes apart), unit u at staged_unit(u - u0), with cp.async.
+// into its row of `staged` (rows row_bytes apart), unit u at staged_unit(u - u0), with cp.async;
+// nothing where `src` is null (a column past the item's routes).
 __device__ __forceinline__ void stage_units(const uint16_t* src, unsigned u0, unsigned u1, uint8_t* staged, int row_bytes,
                                             int per_column) {
+  if (src == nullptr) return;
   const int t = threadIdx.x / per_column;
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + t * row_bytes));
   for (unsigned q = u0 + threadIdx.x % per_column; q < u1; q += per_column) {
