@@ -660,8 +660,9 @@ constexpr int kStagersPerColumn = kWarps * kWarp / kTile;
 // route_list[item.y + t]; none (nullptr) past the item's routes. Those columns' products are
 // never stored (store_tile skips slots past item.z), and an MMA's output column depends on its
 // own B column alone, so whatever their shared memory holds stays in them. Not copying them
-// saves the path from L2 its duplicate reads: at 1-2 routes per item (the Qwen shapes up to
-// N = 64-128), 6-7 of the 8 columns a one-tile block would otherwise read.
+// saves the path from L2 its duplicate reads: a warp copies two columns (one tile), and the
+// copies of the first route by warps past the item's routes were reads of their own; at 1-2
+// routes per item (the Qwen shapes up to N = 64-128) those are 3 of a block's 4 warps.
 template <bool kGateUp>
 __device__ __forceinline__ const uint16_t* staged_source(const DevLayer& L, int n, const DevWorkspace& ws, int4 item,
                                                          int per_column) {
