@@ -17,6 +17,7 @@
 #include "cuda/nvfp4_scale_fold.h"
 
 #include "moeinfer/backend.h"
+#include "moeinfer/bench.h"
 #include "moeinfer/cuda.h"
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
@@ -313,6 +314,75 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
     }
   }
   EXPECT_EQ(checked, 8 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
+}
+
+// Mixed token tiles (cuda::expert_major_mixed): the experts with more than 8 routes in a call run
+// as items of up to 16 routes in the two-tile staged kernels, on a second stream, the others at 8
+// routes per item as before. Forced on, against forced off and the reference, on shapes whose
+// experts average under 8 routes (one token tile per item otherwise): a ragged DeepSeek-V3 shape
+// (272 rows: a partial 64-row block in both GEMMs) and an aligned Qwen3-Next one, in NVFP4, FP8
+// (block-128) and BF16, at N = 9 (the shared expert's 9 routes make it hot), 17, 24 and 31, with
+// tokens of both bench routings. The host's routing counts the routed experts past 8 routes, so
+// the test knows such items ran (the shared expert is one in every case). Each mixed call also
+// runs in a graph replay (the fork and join captured), bit for bit against the eager call.
+TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc aligned = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 128});
+  int checked = 0, hot_routed = 0;
+  for (const LayerDesc& d : {ragged, aligned}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 13));
+      for (const int64_t n : {9, 17, 24, 31}) {
+        ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, true), 8);
+        for (const TokenRouting routing : {TokenRouting::kIndependent, TokenRouting::kCorrelated}) {
+          const int64_t h = d.hidden;
+          const std::vector<float> tokens = make_bench_tokens(n, h, routing, static_cast<uint64_t>(n) + 31);
+          std::vector<float> expected(tokens.size());
+          ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+          std::vector<int> counts(static_cast<size_t>(d.num_experts), 0);
+          for (const int id : take(moe_route_reference(layer, tokens, n)).ids) ++counts[static_cast<size_t>(id)];
+          hot_routed += static_cast<int>(std::count_if(counts.begin(), counts.end(), [](int c) { return c > 8; }));
+          DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+          x.put(tokens);
+          std::vector<float> one_tile;
+          for (const bool mixed : {false, true}) {
+            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
+                layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .mixed_tiles = mixed}));
+            const std::string what = fmt::format("{}, {}, n {}, {}, mixed {}", describe_shape(d), quant_spec_name(spec), n,
+                                                 token_routing_name(routing), mixed ? "on" : "off");
+            const std::string config = moe->call_config(n);
+            EXPECT_EQ(config.rfind("8 routes/item", 0), 0u) << what << ": " << config;
+            EXPECT_EQ(config.find("experts past 8 routes at 16 routes/item") != std::string::npos, mixed)
+                << what << ": " << config;
+            out.poison();
+            ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
+            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<float> got = out.get();
+            ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+            EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+            if (!mixed) {
+              one_tile = got;
+              continue;
+            }
+            // The same sums in another grouping: bf16 operands, fp32 sums over the same K order.
+            EXPECT_LE(testing::rel_l2(got, one_tile), 2e-3) << what;
+            CapturedGraph g;
+            ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamNonBlocking,
+                                            [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+            expect_replays_match(g, *moe, layer, x, out, n, 1, 2);
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 3 * 4 * 2);  // shapes x formats x N x routings
+  EXPECT_GT(hot_routed, 0) << "no routed expert passed 8 routes: only the shared expert's items ran at two tiles";
 }
 
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
@@ -1110,8 +1180,10 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
       return sliced ? "L" : (staged ? (passes == 4 ? "4" : passes == 2 ? "2" : "S") : (blends ? "b" : pairs ? "p" : "s"));
     };
     const std::string gate_up = c.gate_up_wide ? "w" : kernel(c.staged_gate_up, c.gate_up_sliced, 1);
-    return fmt::format("{} {} {}{}", c.group, c.max_items, gate_up,
-                       kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0));
+    // Mixed token tiles: "+", the hot items' grid and their two-tile kernels (gate_up in slices).
+    const std::string hot = c.mixed ? fmt::format(" +{} L{}", c.hot_max_items, kernel(true, false, c.hot_down_passes)) : "";
+    return fmt::format("{} {} {}{}{}", c.group, c.max_items, gate_up,
+                       kernel(c.staged_down, c.down_sliced, c.down_passes, c.down_pairs, c.down_blend_ways > 0), hot);
   };
   // 8-16 items: too few for either; down and blend in one kernel (128 blocks of H, one per SM),
   // up to 128 items (16 tokens)
@@ -1127,8 +1199,19 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(mixed, 8), "8 64 wS");  // down: 32 x 64 blocks past 8 x 132
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
-  EXPECT_EQ(choice(qwen, 64), "8 193 SS");
-  EXPECT_EQ(choice(qwen, 127), "8 256 S2");   // 16 x 256 = 4096
+  // From 2 routes per expert (N = 32 here) past the fused blend (N = 17): mixed token tiles, the hot
+  // items' grid 1 per 8 routes (512 / 8 = 64), its down one pass (16 x 64 two-pass blocks)
+  EXPECT_EQ(choice(qwen, 64), "8 193 SS +64 LS");
+  EXPECT_EQ(choice(qwen, 127), "8 256 S2 +127 LS");   // 16 x 256 = 4096
+  EXPECT_EQ(choice(qwen, 31), "8 160 SS");  // 248 routes: under 2 per expert
+  cuda::DevLayer unmixed = qwen;
+  unmixed.mixed_tiles = 0;
+  EXPECT_EQ(choice(unmixed, 64), "8 193 SS");
+  cuda::DevLayer mixed_on = qwen;
+  mixed_on.mixed_tiles = 1;  // forced: in place of the fused blend too, but not at 8 tokens or under
+  EXPECT_EQ(choice(mixed_on, 16), "8 128 SS +16 LS");
+  EXPECT_EQ(choice(mixed_on, 8), "8 64 wb");
+  EXPECT_EQ(choice(mixed_on, 128), "16 193 LS");  // two token tiles throughout
   // From 8 routes per expert: two token tiles, gate_up in slices; 16 x 193 = 3088, one pass
   EXPECT_EQ(choice(qwen, 128), "16 193 LS");
   EXPECT_EQ(choice(qwen, 256), "16 257 L2");  // 16 x 257 = 4112
@@ -1150,9 +1233,9 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(forced_on, 2), 1), "8 8 S2");  // forced: however small the grid
   EXPECT_EQ(choice(passes_forced(forced_on, 4), 1), "8 8 S4");
   EXPECT_EQ(choice(passes_forced(qwen, 1), 256), "16 257 LS");
-  EXPECT_EQ(choice(passes_forced(qwen, 2), 64), "8 193 S2");
+  EXPECT_EQ(choice(passes_forced(qwen, 2), 64), "8 193 S2 +64 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 L2");
-  EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4");
+  EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4 +64 L4");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 L4");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 128), "16 193 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sb");  // forcing passes stages nothing
@@ -1167,12 +1250,14 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   next.down_path = cuda::kPathAny;
   EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
-  EXPECT_EQ(choice(next, 256), "8 866 S2");
+  EXPECT_EQ(choice(next, 256), "8 866 S2 +352 L2");  // mixed from 103 tokens (1024 routed routes)
+  EXPECT_EQ(choice(next, 102), "8 654 S2");
+  EXPECT_EQ(choice(next, 103), "8 655 S2 +141 LS");  // 1133 routes: 141 hot items at most
   next.nvfp4 = true;  // four passes: 8 x 352 = 2816 four-pass blocks
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   EXPECT_EQ(choice(next, 32), "8 352 S4");
-  EXPECT_EQ(choice(next, 256), "8 866 S4");
-  EXPECT_EQ(choice(passes_forced(next, 2), 256), "8 866 S2");  // forced below the auto choice too
+  EXPECT_EQ(choice(next, 256), "8 866 S4 +352 L4");  // the hot down's four passes: 8 x 352 blocks
+  EXPECT_EQ(choice(passes_forced(next, 2), 256), "8 866 S2 +352 L2");  // forced below the auto choice too
   next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
   EXPECT_EQ(choice(next, 32), "8 352 S2");
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: at one token tile gate_up split-K
@@ -1187,12 +1272,13 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // only in a layer with NVFP4 experts (and so makes no four passes)
   EXPECT_EQ(choice(ds, 4), "8 36 wS");
   EXPECT_EQ(choice(ds, 8), "8 72 w2");
-  EXPECT_EQ(choice(ds, 255), "8 544 w2");
+  EXPECT_EQ(choice(ds, 255), "8 544 w2 +286 L2");  // mixed from 64 tokens
+  EXPECT_EQ(choice(ds, 63), "8 328 w2");
   // 2304 routes: 144 + 1 + 257 items of up to 16; down two passes at 56 x 402 blocks
   EXPECT_EQ(choice(ds, 256), "16 402 L2");
   ds.nvfp4 = true;
   EXPECT_EQ(choice(ds, 4), "8 36 wS");
-  EXPECT_EQ(choice(ds, 255), "8 544 wS");
+  EXPECT_EQ(choice(ds, 255), "8 544 wS +286 L4");
   EXPECT_EQ(choice(ds, 256), "16 402 L4");  // four passes: 28 x 402 blocks
   EXPECT_EQ(choice(ds, 512), "16 546 L4");  // 16 routes per expert
   EXPECT_EQ(choice(ds, 513), "32 402 ss");
@@ -1221,6 +1307,31 @@ TEST(RouterMma, ForcedOnWhereItCannotRunIsANamedRefusal) {
   EXPECT_EQ(CudaMoe::create(bf16, 4, router_options(true)).status().message(),
             "router on the tensor cores: it needs a BF16 router with hidden_size a multiple of 8; this layer's router "
             "is bf16 with hidden_size 100");
+}
+
+// Mixed token tiles forced on where the two-tile kernels cannot run are refused before anything
+// is uploaded (so this needs no GPU): with the staged kernels forbidden, and where the down's
+// activations (I = 3200 bf16 columns per route, 8 routes) pass what one staging holds.
+TEST(MixedTiles, ForcedOnWhereItCannotRunIsANamedRefusal) {
+  const LayerDesc d = family_layer(Family::kQwen3Moe, {.hidden = 64, .intermediate = 32, .num_experts = 8, .top_k = 2});
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  CudaMoeOptions forced;
+  forced.mixed_tiles = true;
+  CudaMoeOptions staged_off = forced;
+  staged_off.staged = false;
+  const Status off = CudaMoe::create(layer, 16, staged_off).status();
+  EXPECT_EQ(off.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(off.message(),
+            "mixed token tiles run the hot experts in the staged kernels, which this call forbids (staged off)");
+  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 64, .intermediate = 3200, .num_experts = 8,
+                                                               .top_k = 2});
+  const Layer wide = take(make_synthetic_layer(long_down, {WeightFormat::kBF16}, 1));
+  EXPECT_EQ(CudaMoe::create(wide, 16, forced).status().message(),
+            "mixed token tiles: the two-tile down stages its 3200 activation columns whole, past the 49152 bytes per "
+            "token tile that staging holds");
+  // Forbidding them is no refusal (without a GPU, create stops at the device instead).
+  forced.mixed_tiles = false;
+  EXPECT_NE(CudaMoe::create(wide, 16, forced).status().message().rfind("mixed token tiles", 0), 0u);
 }
 
 // Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant
@@ -1504,6 +1615,23 @@ TEST(ExpertMajorSizing, ItemsFitTheGridForAnyRouting) {
                   << experts << " experts, top-" << top_k << ", n " << n << ", pattern " << pattern;
               // The workspace is allocated for the smallest group, whose bound is the largest.
               ASSERT_LE(cuda::expert_major_max_items(routes, table, group), cuda::expert_major_max_items(routes, table));
+              ASSERT_LE(cuda::expert_major_max_items(routes, table), cuda::expert_major_item_capacity(routes, table));
+              // Mixed token tiles (any call at 8 routes per item may be forced to mix): experts of up
+              // to 8 routes in one item each, the others in items of up to 16 from hot_offset.
+              if (group == 8) {
+                int one_tile = 0, hot = 0;
+                for (const int c : counts) {
+                  if (c > 8) {
+                    hot += (c + 15) / 16;
+                  } else {
+                    one_tile += c > 0 ? 1 : 0;
+                  }
+                }
+                const int offset = cuda::expert_major_hot_offset(routes, table);
+                ASSERT_LE(one_tile, offset) << experts << " experts, top-" << top_k << ", n " << n;
+                ASSERT_LE(hot, cuda::expert_major_hot_max_items(routes)) << experts << " experts, top-" << top_k << ", n " << n;
+                ASSERT_LE(offset + cuda::expert_major_hot_max_items(routes), cuda::expert_major_item_capacity(routes, table));
+              }
               ++cases;
             }
           }

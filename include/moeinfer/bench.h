@@ -55,6 +55,9 @@ struct BenchConfig {
   // Chunks ahead of their MMAs that the staged kernels' NVFP4 loops load: 1 or 2 forced
   // (CudaMoeOptions::staged_ahead).
   std::optional<int> staged_ahead;
+  // Hot experts at two token tiles beside the others at one, forced on or off
+  // (CudaMoeOptions::mixed_tiles).
+  std::optional<bool> mixed_tiles;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
   std::optional<bool> router_mma;
   // Expert weights in tiles where they fit, forced on or off (CudaMoeOptions::weight_tiles).

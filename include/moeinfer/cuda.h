@@ -40,6 +40,13 @@ struct CudaMoeOptions {
   // kernels): how many chunks ahead of their MMAs their K loops over NVFP4 weights load, 1 or 2
   // forced; nullopt: two in layers with NVFP4 experts, else one.
   std::optional<int> staged_ahead = std::nullopt;
+  // Expert-major calls of one token tile per item: true runs the experts with more than 8 routes in
+  // the call (hot experts; the shared expert from 9 tokens) as items of up to 16 routes in the
+  // two-tile staged kernels, on a second stream beside the others' kernels, wherever the call has
+  // more than 8 tokens; false never; nullopt where the routed experts average 2 routes or more
+  // (cuda::expert_major_mixed). true is refused at create where the staged kernels are forbidden
+  // or the layer's down cannot stage its activations whole.
+  std::optional<bool> mixed_tiles = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
   // forbids them; nullopt runs them from 16 tokens where their grid holds 3/8 of a block per SM.

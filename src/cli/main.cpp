@@ -169,6 +169,7 @@ struct BenchOptions {
   std::string staged = "auto";
   std::string staged_passes = "auto";
   std::string staged_ahead = "auto";
+  std::string mixed_tiles = "auto";
   std::string router_mma = "auto";
   std::string weight_tiles = "auto";
   std::string out = "bench-out";
@@ -260,6 +261,7 @@ int bench_command(const BenchOptions& opt) {
   for (const Status& st : {cuda_switch("--staged", opt.staged, cfg.backend, cfg.staged),
                            cuda_count("--staged-passes", opt.staged_passes, {1, 2, 4}, cfg.backend, cfg.staged_passes),
                            cuda_count("--staged-ahead", opt.staged_ahead, {1, 2}, cfg.backend, cfg.staged_ahead),
+                           cuda_switch("--mixed-tiles", opt.mixed_tiles, cfg.backend, cfg.mixed_tiles),
                            cuda_switch("--router-mma", opt.router_mma, cfg.backend, cfg.router_mma),
                            cuda_switch("--weight-tiles", opt.weight_tiles, cfg.backend, cfg.weight_tiles)}) {
     if (!st.ok()) return fail(st);
@@ -570,6 +572,11 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--staged-ahead", bench.staged_ahead,
                         "CUDA staged expert-major kernels: chunks of NVFP4 weights each warp loads ahead of its MMAs, "
                         "two in layers with NVFP4 experts (auto), or 1 or 2 forced")
+      ->capture_default_str();
+  bench_cmd->add_option("--mixed-tiles", bench.mixed_tiles,
+                        "CUDA expert-major calls at 8 routes per item: experts past 8 routes run at 16 per item in "
+                        "the two-tile staged kernels, on a second stream, where experts average 2 routes or more "
+                        "(auto), or forced on (calls past 8 tokens) or off")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "

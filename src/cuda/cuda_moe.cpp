@@ -200,6 +200,13 @@ struct CudaMoe::Impl {
   cuda::DevWorkspace ws;
   int expert_matrices = 0;  // uploaded here (routed and shared, 3 per expert)
   int tiled_matrices = 0;   // of those, stored in weight tiles
+  cuda::SideStream side;    // the hot experts' chain of calls that mix token tiles
+  ~Impl() {
+    if (side.stream != nullptr) cudaStreamDestroy(side.stream);
+    for (cudaEvent_t e : {side.fork, side.join}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+  }
 };
 
 CudaMoe::CudaMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -239,7 +246,12 @@ std::string CudaMoe::call_config(int64_t n) const {
   } else if (call.down_pairs) {
     down = "split-K (row pairs)";
   }
-  return fmt::format("{} routes/item, gate_up {}, down {}; {}; {}", call.group, gate_up, down, layout, router);
+  // A mixed call's hot experts: the two-tile kernels over their items.
+  const std::string hot =
+      call.mixed ? fmt::format("; experts past 8 routes at 16 routes/item, gate_up staged+slices, down {}",
+                               staged(false, call.hot_down_passes, call.hot_down_ahead))
+                 : std::string();
+  return fmt::format("{} routes/item, gate_up {}, down {}{}; {}; {}", call.group, gate_up, down, hot, layout, router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -264,6 +276,17 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   }
   if (options.staged_ahead && *options.staged_ahead != 1 && *options.staged_ahead != 2) {
     return invalid_argument(fmt::format("staged chunks ahead: {} (1 or 2)", *options.staged_ahead));
+  }
+  if (options.mixed_tiles.value_or(false)) {  // the hot experts run the two-tile staged kernels
+    if (!options.staged.value_or(true)) {
+      return unsupported("mixed token tiles run the hot experts in the staged kernels, which this call forbids (staged off)");
+    }
+    const int64_t act = std::max(d.intermediate, d.shared_intermediate);
+    if (!cuda::expert_major_staged_fits(static_cast<int>(act))) {
+      return unsupported(fmt::format("mixed token tiles: the two-tile down stages its {} activation columns whole, past "
+                                     "the {} bytes per token tile that staging holds",
+                                     act, cuda::kExpertMajorStagedMaxBytes));
+    }
   }
   // The tensor-core router multiplies BF16 weights, 8 columns per load.
   const bool router_mma_fits = layer.router.spec.format == WeightFormat::kBF16 && d.hidden % 8 == 0;
@@ -387,6 +410,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
   L.staged_passes = options.staged_passes ? static_cast<int8_t>(*options.staged_passes) : int8_t{0};
   L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};
+  L.mixed_tiles = options.mixed_tiles ? static_cast<int8_t>(*options.mixed_tiles) : int8_t{-1};
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
@@ -443,9 +467,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> x_bf16 = alloc(max_tokens * d.hidden * 2);
   Result<void*> act_bf16 = alloc(routes * L.act_stride * 2);
   Result<void*> route_list = alloc(routes * 4);
-  const int64_t items_bytes = int64_t{cuda::expert_major_max_items(static_cast<int>(routes), table_size)} * 16;
+  const int64_t items_bytes = int64_t{cuda::expert_major_item_capacity(static_cast<int>(routes), table_size)} * 16;
   Result<void*> items = alloc(items_bytes);
-  Result<void*> num_items = alloc(4);
+  Result<void*> num_items = alloc(8);  // the one-tile items' count, and a mixed call's hot items'
   Result<void*> blocks_done = alloc(4);
   // The tensor-core router's per-slice sums and its counters per (row group, token group of 8).
   const int64_t router_groups = cuda::router_mma_row_groups(d.router_outputs(), d.shared_gate);
@@ -463,6 +487,11 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.route_list = static_cast<int32_t*>(*route_list);
   impl->ws.items = static_cast<int4*>(*items);
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
+  MOEINFER_RETURN_IF_ERROR(
+      cuda_status(cudaStreamCreateWithFlags(&impl->side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  for (cudaEvent_t* e : {&impl->side.fork, &impl->side.join}) {
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
+  }
   impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
   impl->ws.router_partials = static_cast<float*>(*router_partials);
@@ -500,15 +529,20 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
   const cuda::ExpertMajorLaunch call =
       path == PathKind::kExpertMajor ? cuda::expert_major_launch(impl_->dev, tokens) : cuda::ExpertMajorLaunch{};
   const int group = path == PathKind::kExpertMajor ? call.group : 0;
-  MOEINFER_RETURN_IF_ERROR(cuda_status(
-      cuda::launch_moe_route(impl_->dev, x, tokens, impl_->ws, group, s, !call.gate_up_selects), "moe_route"));
+  cuda::DevWorkspace ws = impl_->ws;
+  if (call.mixed) {
+    ws.hot_items = ws.items + call.hot_offset;
+    ws.hot_num_items = ws.num_items + 1;
+  }
+  MOEINFER_RETURN_IF_ERROR(
+      cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, ws, group, s, !call.gate_up_selects), "moe_route"));
   switch (path) {
     case PathKind::kTokenMajor:
       return cuda_status(cuda::launch_moe_token_major(impl_->dev, x, tokens, impl_->ws, out, s), "token-major");
     case PathKind::kPerRow:
       return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
     case PathKind::kExpertMajor:
-      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, impl_->ws, call, out, s), "expert-major");
+      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, ws, call, impl_->side, out, s), "expert-major");
   }
   return internal_error("unknown path");
 }

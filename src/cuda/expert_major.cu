@@ -1438,8 +1438,22 @@ cudaError_t prepare_expert_major_kernels() {
 }
 
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
-                                    const ExpertMajorLaunch& call, float* out, cudaStream_t stream) {
-  cudaError_t err = launch_gemm(true, L, n, ws, call, stream);
+                                    const ExpertMajorLaunch& call, const SideStream& side, float* out,
+                                    cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  if (call.mixed) {  // the hot items' chain first, so that its longer blocks start first
+    DevWorkspace hot_ws = ws;
+    hot_ws.items = ws.hot_items;
+    hot_ws.num_items = ws.hot_num_items;
+    const ExpertMajorLaunch hot = expert_major_hot_launch(call);
+    err = cudaEventRecord(side.fork, stream);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(side.stream, side.fork, 0);
+    if (err == cudaSuccess) err = launch_gemm(true, L, n, hot_ws, hot, side.stream);
+    if (err == cudaSuccess) err = launch_gemm(false, L, n, hot_ws, hot, side.stream);
+    if (err == cudaSuccess) err = cudaEventRecord(side.join, side.stream);
+    if (err != cudaSuccess) return err;
+  }
+  err = launch_gemm(true, L, n, ws, call, stream);
   if (err != cudaSuccess) return err;
   if (call.down_blend_ways > 0) {
     const int warps = call.max_items * call.down_blend_ways;
@@ -1461,6 +1475,7 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     return cudaGetLastError();
   }
   err = launch_gemm(false, L, n, ws, call, stream);
+  if (err == cudaSuccess && call.mixed) err = cudaStreamWaitEvent(stream, side.join, 0);
   if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
 }

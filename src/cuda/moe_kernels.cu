@@ -520,6 +520,8 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
 // within an expert does not matter: each route's output column is computed on its own.
 // `counts` is shared memory for 2 x (E + shared) ints; `ids`, where not null, the routed
 // experts' ids in shared memory (else they are read from ws.ids).
+constexpr int kHotFrom = 8;    // a mixed call's hot experts have more routes than this
+constexpr int kHotGroup = 16;  // routes per hot item: two token tiles
 template <int kThreads, int kBatch = 8>
 __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts,
                              const int* ids = nullptr) {
@@ -559,24 +561,43 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   each_route([&](int e, int) { atomicAdd(counts + e, 1); });
   __syncthreads();
 
-  // Thread i owns experts [i * per, (i + 1) * per).
+  // Thread i owns experts [i * per, (i + 1) * per). A call that mixes token tiles (ws.hot_items
+  // set, group 8) puts an expert of more than 8 routes in hot items of up to 16 instead.
+  const bool mixed = ws.hot_items != nullptr;
+  const auto hot = [&](int e) { return mixed && counts[e] > kHotFrom; };
   const int per = (experts + kThreads - 1) / kThreads;
   const int first = threadIdx.x * per;
-  int my_routes = 0, my_items = 0;
+  int my_routes = 0, my_items = 0, my_hot = 0;
   for (int e = first; e < first + per && e < experts; ++e) {
     my_routes += counts[e];
-    my_items += (counts[e] + group - 1) / group;
+    if (hot(e)) {
+      my_hot += (counts[e] + kHotGroup - 1) / kHotGroup;
+    } else {
+      my_items += (counts[e] + group - 1) / group;
+    }
   }
-  int route_base = 0, item_base = 0;
+  int route_base = 0, item_base = 0, hot_base = 0;
   Scan(scan_storage).ExclusiveSum(my_routes, route_base);
   __syncthreads();
   Scan(scan_storage).ExclusiveSum(my_items, item_base);
   if (threadIdx.x == kThreads - 1) *ws.num_items = item_base + my_items;
+  if (mixed) {
+    __syncthreads();
+    Scan(scan_storage).ExclusiveSum(my_hot, hot_base);
+    if (threadIdx.x == kThreads - 1) *ws.hot_num_items = hot_base + my_hot;
+  }
   for (int e = first; e < first + per && e < experts; ++e) {
     cursor[e] = route_base;
-    for (int start = 0; start < counts[e]; start += group) {
-      const int count = counts[e] - start < group ? counts[e] - start : group;
-      ws.items[item_base++] = make_int4(e, route_base + start, count, 0);
+    const bool is_hot = hot(e);
+    const int size = is_hot ? kHotGroup : group;
+    for (int start = 0; start < counts[e]; start += size) {
+      const int count = counts[e] - start < size ? counts[e] - start : size;
+      const int4 item = make_int4(e, route_base + start, count, 0);
+      if (is_hot) {
+        ws.hot_items[hot_base++] = item;
+      } else {
+        ws.items[item_base++] = item;
+      }
     }
     route_base += counts[e];
   }

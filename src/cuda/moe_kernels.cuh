@@ -65,6 +65,7 @@ struct DevLayer {
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
+  int8_t mixed_tiles = -1;   // hot experts' items at two token tiles (expert_major_mixed): 1 forced, 0 forbidden, -1 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
@@ -179,6 +180,10 @@ struct DevWorkspace {
   int32_t* route_list = nullptr; // [routes] route indices grouped by expert
   int4* items = nullptr;         // [max_items] {expert, first index in route_list, routes, 0}
   int32_t* num_items = nullptr;  // [1]
+  // Set per call where the call mixes token tiles (ExpertMajorLaunch::mixed), else null: the hot
+  // experts' items of up to 16 routes, in ws.items past the one-tile items, and their count.
+  int4* hot_items = nullptr;
+  int32_t* hot_num_items = nullptr;
   int32_t* route_blocks_done = nullptr;  // [1] zero between calls: the route kernel's finish line
   // moe_router_mma: each block's fp32 sums over its slice of K, [slices, n, padded rows], and per
   // (row group, token group) the count of slices done, zero between calls.
@@ -194,6 +199,17 @@ inline constexpr int kExpertMajorGroup = 32;
 inline int expert_major_max_items(int routes, int experts, int group = 8) {
   const int bound = routes / group + 1 + (experts < routes ? experts : routes);
   return bound < routes ? bound : routes;
+}
+
+// A call that mixes token tiles (ExpertMajorLaunch::mixed) keeps an expert of up to 8 routes in
+// one one-tile item, at most one per expert, and splits a hot expert (9 routes or more) into items
+// of up to 16 routes, ceil(c / 16) <= c / 8 of them: the hot items lie in ws.items from
+// expert_major_hot_offset, at most expert_major_hot_max_items of them.
+inline int expert_major_hot_offset(int routes, int experts) { return experts < routes ? experts : routes; }
+inline int expert_major_hot_max_items(int routes) { return routes / 8; }
+// The workspace's items for calls of up to `routes` routes: every group's, and a mixed call's.
+inline int expert_major_item_capacity(int routes, int experts) {
+  return expert_major_max_items(routes, experts) + expert_major_hot_max_items(routes) + 1;
 }
 
 // The staged expert-major kernels (one or two token tiles per item): 64 output rows per block, 4
@@ -429,6 +445,28 @@ inline int expert_major_down_blend_rounds(int ways, int max_items) {
   return ways == 1 ? (max_items + kExpertMajorDownBlendWarps - 1) / kExpertMajorDownBlendWarps : 1;
 }
 
+// Whether an expert-major call of one token tile per item (group 8) mixes token tiles: its hot
+// experts (those with more than 8 routes in the call, the shared expert from N = 9) run as items of
+// up to 16 routes in the two-tile staged kernels, the others as before, the two sets of items in
+// two chains of launches on two streams (launch_moe_expert_major), so that a hot expert is read and
+// decoded once per 16 routes instead of once per 8 and neither chain waits for the other's tail.
+// Only where the two-tile kernels can run (expert_major_stageable: the down staged whole), and for
+// calls of more than 8 tokens (no expert has more routes than tokens). `mode` forces it (1; then
+// also in place of a fused down and blend) or forbids it (0); by default (-1) where the routed
+// experts average kExpertMajorMixedFromRoutes routes or more and the call has no fused down and
+// blend. Counted on the bench's routings (NVFP4, 8 inputs): qwen3-next N = 128 groups 374 items at
+// 8 routes in the correlated routing and 338 mixed (28 hot experts and the shared one), N = 256
+// 585 and 470; qwen3-30b N = 64 correlated 116 and 97; DeepSeek-V3 N = 128 correlated 254 and
+// 210. The independent routing has few hot experts below 8 routes per expert on average (qwen3-next
+// N = 256: 36 of 509), and there mainly the shared expert's items halve.
+inline constexpr int kExpertMajorMixedFromRoutes = 2;
+inline bool expert_major_mixed(int mode, int n, int group, bool stageable, bool fused_down_blend, int routed,
+                               int experts) {
+  if (group != 8 || !stageable || n <= 8) return false;
+  if (mode >= 0) return mode == 1;
+  return !fused_down_blend && routed >= kExpertMajorMixedFromRoutes * experts;
+}
+
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits, and the two-tile gate_up), and whether the staged down copies its
@@ -440,7 +478,9 @@ inline int expert_major_down_blend_rounds(int ways, int max_items) {
 // split-K down runs over row pairs (expert_major_down_pairs), and whether the gate_up selects
 // (expert_major_gate_up_selects), and the warps per item of a fused down and blend
 // (expert_major_down_blend_ways; 0: none) with the items each warp runs in turn
-// (expert_major_down_blend_rounds). The launcher and the bench's per-call config both read it.
+// (expert_major_down_blend_rounds), and whether it mixes token tiles (expert_major_mixed) with
+// the hot experts' launches (expert_major_hot_launch). The launcher and the bench's per-call
+// config both read it.
 struct ExpertMajorLaunch {
   int group = 8;
   int max_items = 0;
@@ -457,11 +497,19 @@ struct ExpertMajorLaunch {
   int down_blend_ways = 0;  // > 0: down and blend in one kernel, this many warps per item (moe_expert_down_blend)
   int down_blend_rounds = 1;  // the fused down's items per warp, one after the other
   bool gate_up_wide = false;  // split-K gate_up of 32 rows per block (moe_expert_gate_up_wide)
+  // Mixed token tiles: the hot experts' items in ws.items from hot_offset, at most hot_max_items,
+  // and their two-tile down's passes and chunks ahead.
+  bool mixed = false;
+  int hot_offset = 0;
+  int hot_max_items = 0;
+  int hot_down_passes = 1;
+  int hot_down_ahead = 1;
 };
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   ExpertMajorLaunch c;
-  c.group = expert_major_group(n, L.top_k, L.num_experts, expert_major_stageable(L.staged, L.act_stride));
+  const bool stageable = expert_major_stageable(L.staged, L.act_stride);
+  c.group = expert_major_group(n, L.top_k, L.num_experts, stageable);
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   const int routes = n * L.top_k + (L.has_shared ? n : 0);
   c.max_items = expert_major_max_items(routes, experts, c.group);
@@ -469,6 +517,8 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   // A fused down and blend runs in place of the down the call would otherwise run, staged or not.
   const bool down_stages = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
   c.down_blend_ways = expert_major_down_blend_ways(L, n, down_stages, c.group, c.max_items);
+  c.mixed = expert_major_mixed(L.mixed_tiles, n, c.group, stageable, c.down_blend_ways > 0, n * L.top_k, L.num_experts);
+  if (c.mixed) c.down_blend_ways = 0;  // forced past a fused down and blend
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
   c.staged_down = down_stages && c.down_blend_ways == 0;
   c.gate_up_sliced = c.staged_gate_up && (!expert_major_staged_fits(L.hidden) || c.group == 16);
@@ -486,7 +536,25 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
   c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
+  if (c.mixed) {
+    c.hot_offset = expert_major_hot_offset(routes, experts);
+    c.hot_max_items = expert_major_hot_max_items(routes);
+    c.hot_down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.hot_max_items, L.sm_count, L.nvfp4, 2);
+    c.hot_down_ahead = ahead;
+  }
   return c;
+}
+
+// The hot experts' launches of a call that mixes token tiles: what a call of two token tiles per
+// item runs (group 16: the gate_up staged in slices, the down staged whole), over its hot items.
+inline ExpertMajorLaunch expert_major_hot_launch(const ExpertMajorLaunch& call) {
+  ExpertMajorLaunch h;
+  h.group = 16;
+  h.max_items = call.hot_max_items;
+  h.staged_gate_up = h.staged_down = h.gate_up_sliced = true;
+  h.down_passes = call.hot_down_passes;
+  h.down_ahead = call.hot_down_ahead;
+  return h;
 }
 
 // The router's logits kernels take 8 tokens per block: moe_router_logits 2 router rows per block
@@ -597,11 +665,22 @@ cudaError_t launch_moe_route(const DevLayer& layer, const float* x, int n, const
                              cudaStream_t stream, bool select = true);
 cudaError_t launch_moe_token_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
                                    float* out, cudaStream_t stream);
+// A second stream and two events (timing off), for the hot experts' chain of a call that mixes
+// token tiles.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+};
 // Routes grouped by expert on the device, then per (expert, 16 rows, up to 32 routes) one block
 // of tensor-core MMAs over the expert's weights, read once per call and dequantized in registers.
-// `call` is expert_major_launch(layer, n), whose group the route kernel grouped by.
+// `call` is expert_major_launch(layer, n), whose group the route kernel grouped by. Where it mixes
+// token tiles, ws.hot_items is set (as for the route kernel), and the hot items' gate_up and down
+// run on `side`, from an event recorded on `stream`, and `stream` waits for them before the blend:
+// a fork and a join, which a graph capture of `stream` takes in.
 cudaError_t launch_moe_expert_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
-                                    const ExpertMajorLaunch& call, float* out, cudaStream_t stream);
+                                    const ExpertMajorLaunch& call, const SideStream& side, float* out,
+                                    cudaStream_t stream);
 // Whether the blend issues all of a thread's loads first (moe_blend<true>, 78 registers): where
 // its grid of `blocks` fits one wave of the `resident_per_sm` blocks an SM holds of it. Past that
 // it runs at full occupancy instead. Measured on the H200, loads first against the loop (docs/PERF.md
