@@ -515,13 +515,14 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   if (threadIdx.x == 0) *done = 0;  // ready for the next call
 }
 
+constexpr int kHotFrom = 8;    // a mixed call's hot experts have more routes than this
+constexpr int kHotGroup = 16;  // routes per hot item: two token tiles
+
 // By a whole block of kThreads: counts routes per expert, scans the counts, writes the work
 // items (up to `group` routes of one expert each) and the routes grouped by expert. Order
 // within an expert does not matter: each route's output column is computed on its own.
 // `counts` is shared memory for 2 x (E + shared) ints; `ids`, where not null, the routed
 // experts' ids in shared memory (else they are read from ws.ids).
-constexpr int kHotFrom = 8;    // a mixed call's hot experts have more routes than this
-constexpr int kHotGroup = 16;  // routes per hot item: two token tiles
 template <int kThreads, int kBatch = 8>
 __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorkspace& ws, int* counts,
                              const int* ids = nullptr) {
