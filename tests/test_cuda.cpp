@@ -1327,8 +1327,8 @@ TEST(MixedTiles, ForcedOnWhereItCannotRunIsANamedRefusal) {
                                                                .top_k = 2});
   const Layer wide = take(make_synthetic_layer(long_down, {WeightFormat::kBF16}, 1));
   EXPECT_EQ(CudaMoe::create(wide, 16, forced).status().message(),
-            "mixed token tiles: the two-tile down stages its activations whole, 8 routes x 3200 bf16 columns = 51200 "
-            "bytes per token tile, past the 49152 that staging holds");
+            "mixed token tiles: the two-tile down stages its activations whole, 8 token rows of 6416 bytes (3200 bf16 "
+            "columns, padded) = 51328 per token tile, past the 49152 that staging holds");
   // Forbidding them is no refusal (without a GPU, create stops at the device instead).
   forced.mixed_tiles = false;
   EXPECT_NE(CudaMoe::create(wide, 16, forced).status().message().rfind("mixed token tiles", 0), 0u);

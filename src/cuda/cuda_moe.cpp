@@ -283,9 +283,11 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
     }
     const int64_t act = std::max(d.intermediate, d.shared_intermediate);
     if (!cuda::expert_major_staged_fits(static_cast<int>(act))) {
-      return unsupported(fmt::format("mixed token tiles: the two-tile down stages its activations whole, 8 routes x {} "
-                                     "bf16 columns = {} bytes per token tile, past the {} that staging holds",
-                                     act, 16 * act, cuda::kExpertMajorStagedMaxBytes));
+      const int row = cuda::expert_major_staged_row_bytes(static_cast<int>(act));
+      return unsupported(fmt::format("mixed token tiles: the two-tile down stages its activations whole, 8 token rows of "
+                                     "{} bytes ({} bf16 columns, padded) = {} per token tile, past the {} that staging "
+                                     "holds",
+                                     row, act, 8 * row, cuda::kExpertMajorStagedMaxBytes));
     }
   }
   // The tensor-core router multiplies BF16 weights, 8 columns per load.
