@@ -385,6 +385,71 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
   EXPECT_GT(hot_routed, 0) << "no routed expert passed 8 routes: only the shared expert's items ran at two tiles";
 }
 
+// The shared expert apart (cuda::expert_major_shared_apart): its gate_up and down in a chain of
+// their own, forked before the router and joined before the blend or the fused down and blend,
+// over its own items, route list and bf16 x. Forced on against forced off and the reference, on a
+// ragged DeepSeek-V3 shape (ungated shared expert, routed scaling) and a Qwen3-Next one (gated), in
+// NVFP4, FP8 (block-128) and BF16, at N = 1 (the one-warp grouping), 2 and 8 (the fused down and
+// blend), 13 and 24 (mixed token tiles, the shared expert's items at 16 routes), 48 (two token
+// tiles) and 130 (four). Each forced-on call also runs in a graph replay with other tokens.
+TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
+                                                            .top_k = 4, .shared_intermediate = 128});
+  ASSERT_TRUE(ragged.has_shared() && !ragged.shared_gate && gated.has_shared() && gated.shared_gate);
+  int checked = 0, fused = 0, mixed = 0;
+  for (const LayerDesc& d : {ragged, gated}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 17));
+      for (const int64_t n : {1, 2, 8, 13, 24, 48, 130}) {
+        const int64_t h = d.hidden;
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 5);
+        std::vector<float> expected(tokens.size());
+        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(tokens);
+        std::vector<float> in_call;
+        for (const bool apart : {false, true}) {
+          CudaMoeOptions options;
+          options.path = PathKind::kExpertMajor;
+          options.shared_apart = apart;
+          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, options));
+          const std::string what =
+              fmt::format("{}, {}, n {}, apart {}", describe_shape(d), quant_spec_name(spec), n, apart ? "on" : "off");
+          const std::string config = moe->call_config(n);
+          EXPECT_EQ(config.find("shared expert beside the router") != std::string::npos, apart) << what << ": " << config;
+          out.poison();
+          ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
+          ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> got = out.get();
+          ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+          if (!apart) {
+            in_call = got;
+            continue;
+          }
+          // The same products in other kernels: bf16 operands, fp32 sums in another order.
+          EXPECT_LE(testing::rel_l2(got, in_call), 2e-3) << what;
+          fused += config.find("+ blend") != std::string::npos ? 1 : 0;
+          mixed += config.find("experts past 8 routes") != std::string::npos ? 1 : 0;
+          CapturedGraph g;
+          ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamNonBlocking,
+                                          [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+          expect_replays_match(g, *moe, layer, x, out, n, 1, 2);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 3 * 7);  // shapes x formats x N
+  EXPECT_GT(fused, 0) << "no call ran the fused down and blend beside the shared expert's chain";
+  EXPECT_GT(mixed, 0) << "no call mixed token tiles beside the shared expert's chain";
+}
+
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
 // when the next kernel starts, so a kernel that reads shared memory it never wrote reads NaN.
 TEST_F(Cuda, SharedMemoryPoisonReachesTheNextKernel) {
@@ -1332,6 +1397,75 @@ TEST(MixedTiles, ForcedOnWhereItCannotRunIsANamedRefusal) {
   // Forbidding them is no refusal (without a GPU, create stops at the device instead).
   forced.mixed_tiles = false;
   EXPECT_NE(CudaMoe::create(wide, 16, forced).status().message().rfind("mixed token tiles", 0), 0u);
+}
+
+// Which calls run the shared expert apart, and the kernels of its own chain: the rules of
+// expert_major_launch over its items alone.
+TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
+  // "-" where the call keeps the shared expert in its own kernels; else its chain's routes per
+  // item, items, gate_up and down (s: split-K, w: split-K of 32 rows, p: split-K row pairs, S:
+  // staged, L: staged in slices).
+  const auto apart = [](const cuda::DevLayer& L, int n) -> std::string {
+    const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
+    if (!c.shared_apart) return "-";
+    const cuda::ExpertMajorLaunch s = cuda::expert_major_shared_launch(L, c, n);
+    EXPECT_FALSE(s.shared_apart || s.mixed || s.gate_up_selects || s.down_blend_ways > 0);
+    const std::string gate_up = s.gate_up_wide ? "w" : s.gate_up_sliced ? "L" : s.staged_gate_up ? "S" : "s";
+    const std::string down = s.down_sliced ? "L" : s.staged_down ? "S" : s.down_pairs ? "p" : "s";
+    return fmt::format("{} {} {}{}", s.group, s.max_items, gate_up, down);
+  };
+  cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  EXPECT_EQ(apart(ds, 1), "8 1 sp");  // 128 gate_up blocks beside the router; the routed 1024
+  EXPECT_EQ(apart(ds, 8), "8 1 sp");
+  EXPECT_EQ(apart(ds, 63), "8 8 sp");
+  EXPECT_EQ(apart(ds, 64), "16 4 ss");  // mixed from 64 tokens
+  EXPECT_EQ(apart(ds, 255), "16 16 ss");  // the call mixes token tiles: 16 routes per item, as its hot items
+  EXPECT_EQ(apart(ds, 256), "16 16 ss");  // two token tiles; 16 items are too few to stage
+  cuda::DevLayer staged = ds;
+  staged.staged = 1;
+  EXPECT_EQ(apart(staged, 256), "16 16 LS");
+  cuda::DevLayer next;  // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512
+  next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
+  next.sm_count = 132;
+  EXPECT_EQ(apart(next, 1), "8 1 sp");
+  EXPECT_TRUE(cuda::expert_major_launch(next, 8).down_blend_ways > 0);  // joined before the fused down
+  EXPECT_EQ(apart(next, 256), "16 16 ss");
+  cuda::DevLayer off = next;
+  off.shared_apart = 0;
+  EXPECT_EQ(apart(off, 1), "-");
+  EXPECT_EQ(apart(off, 256), "-");
+  // A shared expert beside a one-token call whose gate_up selects (48 x 9 split-K blocks fit a
+  // wave): by default the selection keeps it; forced, the route kernel selects again.
+  cuda::DevLayer small;
+  small.hidden = 2048, small.act_stride = 768, small.num_experts = 128, small.top_k = 8, small.has_shared = true;
+  small.sm_count = 132;
+  EXPECT_TRUE(cuda::expert_major_launch(small, 1).gate_up_selects);
+  EXPECT_EQ(apart(small, 1), "-");
+  EXPECT_EQ(apart(small, 2), "8 1 sp");
+  small.shared_apart = 1;
+  EXPECT_FALSE(cuda::expert_major_launch(small, 1).gate_up_selects);
+  EXPECT_EQ(apart(small, 1), "8 1 sp");
+  // No shared expert (qwen3-30b-a3b, or another rank's slice): nothing apart, even forced.
+  cuda::DevLayer qwen = small;
+  qwen.has_shared = false;
+  EXPECT_EQ(apart(qwen, 1), "-");
+  EXPECT_EQ(apart(qwen, 64), "-");
+}
+
+// The shared expert apart forced on in a layer without one is refused before anything is
+// uploaded (so this needs no GPU); forbidding it is no refusal.
+TEST(SharedApart, ForcedOnWithoutASharedExpertIsANamedRefusal) {
+  const LayerDesc d = family_layer(Family::kQwen3Moe, {.hidden = 64, .intermediate = 32, .num_experts = 8, .top_k = 2});
+  ASSERT_FALSE(d.has_shared());
+  const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kBF16}, 1));
+  CudaMoeOptions forced;
+  forced.shared_apart = true;
+  const Status st = CudaMoe::create(layer, 16, forced).status();
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(st.message(), "shared expert apart: this layer has no shared expert");
+  forced.shared_apart = false;  // without a GPU, create stops at the device instead
+  EXPECT_NE(CudaMoe::create(layer, 16, forced).status().message().rfind("shared expert apart", 0), 0u);
 }
 
 // Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant

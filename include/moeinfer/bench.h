@@ -58,6 +58,9 @@ struct BenchConfig {
   // Hot experts at two token tiles beside the others at one, forced on or off
   // (CudaMoeOptions::mixed_tiles).
   std::optional<bool> mixed_tiles;
+  // The shared expert in a chain of its own beside the router, forced on or off
+  // (CudaMoeOptions::shared_apart).
+  std::optional<bool> shared_apart;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
   std::optional<bool> router_mma;
   // Expert weights in tiles where they fit, forced on or off (CudaMoeOptions::weight_tiles).

@@ -47,6 +47,13 @@ struct CudaMoeOptions {
   // (cuda::expert_major_mixed). true is refused at create where the staged kernels are forbidden
   // or the layer's down cannot stage its activations whole.
   std::optional<bool> mixed_tiles = std::nullopt;
+  // Expert-major calls in a layer with a shared expert: true runs the shared expert's gate_up and
+  // down in a chain of their own on another stream, forked before the router and joined before the
+  // blend, so that its weights are read while the router and the selection run; false in the
+  // call's own kernels, after the selection; nullopt apart wherever the gate_up kernel does not
+  // select for itself (cuda::expert_major_shared_apart). true is refused at create for a layer
+  // without a shared expert.
+  std::optional<bool> shared_apart = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
   // forbids them; nullopt runs them from 16 tokens where their grid holds 3/8 of a block per SM.

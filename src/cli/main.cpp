@@ -170,6 +170,7 @@ struct BenchOptions {
   std::string staged_passes = "auto";
   std::string staged_ahead = "auto";
   std::string mixed_tiles = "auto";
+  std::string shared_apart = "auto";
   std::string router_mma = "auto";
   std::string weight_tiles = "auto";
   std::string out = "bench-out";
@@ -262,6 +263,7 @@ int bench_command(const BenchOptions& opt) {
                            cuda_count("--staged-passes", opt.staged_passes, {1, 2, 4}, cfg.backend, cfg.staged_passes),
                            cuda_count("--staged-ahead", opt.staged_ahead, {1, 2}, cfg.backend, cfg.staged_ahead),
                            cuda_switch("--mixed-tiles", opt.mixed_tiles, cfg.backend, cfg.mixed_tiles),
+                           cuda_switch("--shared-apart", opt.shared_apart, cfg.backend, cfg.shared_apart),
                            cuda_switch("--router-mma", opt.router_mma, cfg.backend, cfg.router_mma),
                            cuda_switch("--weight-tiles", opt.weight_tiles, cfg.backend, cfg.weight_tiles)}) {
     if (!st.ok()) return fail(st);
@@ -577,6 +579,11 @@ int main(int argc, char** argv) {
                         "CUDA expert-major calls at 8 routes per item: experts past 8 routes run at 16 per item in "
                         "the two-tile staged kernels, on a second stream, where experts average 2 routes or more "
                         "(auto), or forced on (calls past 8 tokens) or off")
+      ->capture_default_str();
+  bench_cmd->add_option("--shared-apart", bench.shared_apart,
+                        "CUDA expert-major calls with a shared expert: its gate_up and down on a second stream beside "
+                        "the router and the selection, wherever the gate_up kernel does not select (auto), or forced "
+                        "on or off")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "

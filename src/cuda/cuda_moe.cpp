@@ -201,10 +201,13 @@ struct CudaMoe::Impl {
   int expert_matrices = 0;  // uploaded here (routed and shared, 3 per expert)
   int tiled_matrices = 0;   // of those, stored in weight tiles
   cuda::SideStream side;    // the hot experts' chain of calls that mix token tiles
+  cuda::SharedApart shared;  // the shared expert's chain of calls that run it apart
   ~Impl() {
-    if (side.stream != nullptr) cudaStreamDestroy(side.stream);
-    for (cudaEvent_t e : {side.fork, side.join}) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (const cuda::SideStream* s : {&side, &shared.side}) {
+      if (s->stream != nullptr) cudaStreamDestroy(s->stream);
+      for (cudaEvent_t e : {s->fork, s->join}) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
     }
   }
 };
@@ -251,7 +254,22 @@ std::string CudaMoe::call_config(int64_t n) const {
       call.mixed ? fmt::format("; experts past 8 routes at 16 routes/item, gate_up staged+slices, down {}",
                                staged(false, call.hot_down_passes, call.hot_down_ahead))
                  : std::string();
-  return fmt::format("{} routes/item, gate_up {}, down {}{}; {}; {}", call.group, gate_up, down, hot, layout, router);
+  // The shared expert's own chain, with its kernels where they differ from the call's.
+  std::string shared;
+  if (call.shared_apart) {
+    const cuda::ExpertMajorLaunch s = cuda::expert_major_shared_launch(L, call, static_cast<int>(n));
+    const std::string s_gate_up = s.staged_gate_up ? staged(s.gate_up_sliced, 1, s.gate_up_ahead)
+                                  : s.gate_up_wide ? std::string("split-K (32 rows)")
+                                                   : std::string("split-K");
+    const std::string s_down = s.staged_down ? (s.down_copies_scales ? std::string("staged+scales")
+                                                                     : staged(s.down_sliced, s.down_passes, s.down_ahead))
+                               : s.down_pairs ? std::string("split-K (row pairs)")
+                                              : std::string("split-K");
+    shared = fmt::format("; shared expert beside the router ({} routes/item, gate_up {}, down {})", s.group, s_gate_up,
+                         s_down);
+  }
+  return fmt::format("{} routes/item, gate_up {}, down {}{}{}; {}; {}", call.group, gate_up, down, hot, shared, layout,
+                     router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -289,6 +307,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
                                      "holds",
                                      row, act, 8 * row, cuda::kExpertMajorStagedMaxBytes));
     }
+  }
+  if (options.shared_apart.value_or(false) && !d.has_shared()) {
+    return unsupported("shared expert apart: this layer has no shared expert");
   }
   // The tensor-core router multiplies BF16 weights, 8 columns per load.
   const bool router_mma_fits = layer.router.spec.format == WeightFormat::kBF16 && d.hidden % 8 == 0;
@@ -413,6 +434,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.staged_passes = options.staged_passes ? static_cast<int8_t>(*options.staged_passes) : int8_t{0};
   L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};
   L.mixed_tiles = options.mixed_tiles ? static_cast<int8_t>(*options.mixed_tiles) : int8_t{-1};
+  L.shared_apart = options.shared_apart ? static_cast<int8_t>(*options.shared_apart) : int8_t{-1};
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);
@@ -473,6 +495,14 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> items = alloc(items_bytes);
   Result<void*> num_items = alloc(8);  // the one-tile items' count, and a mixed call's hot items'
   Result<void*> blocks_done = alloc(4);
+  // The shared expert's own chain (cuda::expert_major_shared_apart): its items, count, route list
+  // and bf16 x, where this rank runs it.
+  const int64_t apart_tokens = L.has_shared ? max_tokens : 0;
+  const int64_t apart_items_bytes = int64_t{cuda::shared_apart_max_items(static_cast<int>(apart_tokens))} * 16;
+  Result<void*> apart_items = alloc(apart_items_bytes);
+  Result<void*> apart_count = alloc(4);
+  Result<void*> apart_routes = alloc(apart_tokens * 4);
+  Result<void*> apart_x = alloc(apart_tokens * d.hidden * 2);
   // The tensor-core router's per-slice sums and its counters per (row group, token group of 8).
   const int64_t router_groups = cuda::router_mma_row_groups(d.router_outputs(), d.shared_gate);
   const int64_t router_counters = router_groups * ((L.router_mma_tokens + 7) / 8);
@@ -481,7 +511,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
             cuda::kRouterMmaRows * 4);
   Result<void*> router_done = alloc(router_counters * 4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
-                                 &num_items, &blocks_done, &router_partials, &router_done}) {
+                                 &num_items, &blocks_done, &router_partials, &router_done, &apart_items, &apart_count,
+                                 &apart_routes, &apart_x}) {
     if (!r->ok()) return r->status();
   }
   impl->ws.x_bf16 = static_cast<uint16_t*>(*x_bf16);
@@ -493,6 +524,21 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
       cuda_status(cudaStreamCreateWithFlags(&impl->side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
   for (cudaEvent_t* e : {&impl->side.fork, &impl->side.join}) {
     MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
+  }
+  if (L.has_shared) {
+    cuda::SharedApart& apart = impl->shared;
+    apart.items = static_cast<int4*>(*apart_items);
+    apart.num_items = static_cast<int32_t*>(*apart_count);
+    apart.route_list = static_cast<int32_t*>(*apart_routes);
+    apart.x_bf16 = static_cast<uint16_t*>(*apart_x);
+    MOEINFER_RETURN_IF_ERROR(
+        cuda_status(cudaStreamCreateWithFlags(&apart.side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+    for (cudaEvent_t* e : {&apart.side.fork, &apart.side.join}) {
+      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
+    }
+    // Its GEMMs too read an item beside the count, also in slots past it.
+    MOEINFER_RETURN_IF_ERROR(
+        cuda_status(cudaMemset(*apart_items, 0, static_cast<size_t>(apart_items_bytes)), "cudaMemset"));
   }
   impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
   MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
@@ -536,6 +582,11 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     ws.hot_items = ws.items + call.hot_offset;
     ws.hot_num_items = ws.num_items + 1;
   }
+  ws.shared_apart = call.shared_apart;
+  if (call.shared_apart) {  // forked before the router, so that its chain runs beside the router's
+    MOEINFER_RETURN_IF_ERROR(cuda_status(
+        cuda::launch_moe_shared_apart(impl_->dev, x, tokens, ws, call, impl_->shared, s), "shared expert apart"));
+  }
   MOEINFER_RETURN_IF_ERROR(
       cuda_status(cuda::launch_moe_route(impl_->dev, x, tokens, ws, group, s, !call.gate_up_selects), "moe_route"));
   switch (path) {
@@ -544,7 +595,7 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     case PathKind::kPerRow:
       return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
     case PathKind::kExpertMajor:
-      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, ws, call, impl_->side, out, s), "expert-major");
+      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, ws, call, impl_->side, impl_->shared, out, s), "expert-major");
   }
   return internal_error("unknown path");
 }

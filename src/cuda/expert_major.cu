@@ -37,6 +37,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/mma.cuh"
@@ -1113,7 +1114,8 @@ __device__ __forceinline__ void add_blended(const DevLayer& L, int n, const DevE
 }
 
 // The end of a fused down: the block's threads add its `warps` warps' row sums in warp order, the
-// zero experts' w x after them, and write each token's 16 outputs from row0. The order is fixed,
+// shared expert's outputs where its own chain computed them (ws.shared_apart), the zero experts'
+// w x after them, and write each token's 16 outputs from row0. The order is fixed,
 // so the output is the same on every run.
 __device__ __forceinline__ void write_blended(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
                                               float* out, const BlendRowSums* row_sums, int warps, int row0) {
@@ -1121,6 +1123,10 @@ __device__ __forceinline__ void write_blended(const DevLayer& L, const float* x,
     const int t = i / kRows, h = row0 + i % kRows;
     float sum = 0.0f;
     for (int w = 0; w < warps; ++w) sum += row_sums[w][t][i % kRows];
+    if (ws.shared_apart) {  // the shared expert's down ran in its own chain (launch_moe_shared_apart)
+      const int route = n * L.top_k + t;
+      sum += blend_weight(L, n, ws, route) * ws.expert_out[static_cast<int64_t>(route) * L.hidden + h];
+    }
     if (L.adds_once && L.router_outputs > L.num_experts) {  // zero experts: w x
       for (int j = t * L.top_k; j < (t + 1) * L.top_k; ++j) {
         if (ws.ids[j] >= L.num_experts) sum += ws.weights[j] * x[static_cast<int64_t>(t) * L.hidden + h];
@@ -1437,9 +1443,59 @@ cudaError_t prepare_expert_major_kernels() {
   return err;
 }
 
+namespace {
+
+// Grid: enough blocks of kSharedApartThreads for the n x H values of x. The head of a shared
+// expert's own chain (launch_moe_shared_apart): x in bf16 for its gate_up, as the router writes
+// ws.x_bf16 for the routed experts' (the same rounding), and, by block 0, its items of up to
+// `group` routes and its route list.
+constexpr int kSharedApartThreads = 256;
+__global__ void __launch_bounds__(kSharedApartThreads) moe_shared_apart_inputs(DevLayer L, const float* x, int n,
+                                                                                 int group, DevWorkspace ws) {
+  const int64_t values = static_cast<int64_t>(n) * L.hidden;
+  for (int64_t i = blockIdx.x * int64_t{kSharedApartThreads} + threadIdx.x; i < values;
+       i += int64_t{gridDim.x} * kSharedApartThreads) {
+    ws.x_bf16[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
+  }
+  if (blockIdx.x != 0) return;
+  const int routed = n * L.top_k;
+  for (int t = threadIdx.x; t < n; t += kSharedApartThreads) ws.route_list[t] = routed + t;
+  const int items = (n + group - 1) / group;
+  for (int i = threadIdx.x; i < items; i += kSharedApartThreads) {
+    ws.items[i] = make_int4(L.num_experts, i * group, n - i * group < group ? n - i * group : group, 0);
+  }
+  if (threadIdx.x == 0) *ws.num_items = items;
+}
+
+}  // namespace
+
+cudaError_t launch_moe_shared_apart(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
+                                    const ExpertMajorLaunch& call, const SharedApart& apart, cudaStream_t stream) {
+  const ExpertMajorLaunch s = expert_major_shared_launch(L, call, n);
+  DevWorkspace own = ws;
+  own.items = apart.items;
+  own.num_items = apart.num_items;
+  own.route_list = apart.route_list;
+  own.x_bf16 = apart.x_bf16;
+  own.hot_items = nullptr;
+  own.hot_num_items = nullptr;
+  cudaError_t err = cudaEventRecord(apart.side.fork, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(apart.side.stream, apart.side.fork, 0);
+  if (err != cudaSuccess) return err;
+  const int64_t values = static_cast<int64_t>(n) * L.hidden;
+  const int blocks = static_cast<int>(std::min<int64_t>((values + kSharedApartThreads - 1) / kSharedApartThreads,
+                                                        int64_t{2} * L.sm_count));
+  moe_shared_apart_inputs<<<blocks, kSharedApartThreads, 0, apart.side.stream>>>(L, x, n, s.group, own);
+  err = cudaGetLastError();
+  if (err == cudaSuccess) err = launch_gemm(true, L, n, own, s, apart.side.stream);
+  if (err == cudaSuccess) err = launch_gemm(false, L, n, own, s, apart.side.stream);
+  if (err == cudaSuccess) err = cudaEventRecord(apart.side.join, apart.side.stream);
+  return err;
+}
+
 cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, const DevWorkspace& ws,
-                                    const ExpertMajorLaunch& call, const SideStream& side, float* out,
-                                    cudaStream_t stream) {
+                                    const ExpertMajorLaunch& call, const SideStream& side, const SharedApart& apart,
+                                    float* out, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   if (call.mixed) {  // the hot items' chain first, so that its longer blocks start first
     DevWorkspace hot_ws = ws;
@@ -1455,7 +1511,11 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
   }
   err = launch_gemm(true, L, n, ws, call, stream);
   if (err != cudaSuccess) return err;
+  // The shared expert's outputs, where its own chain computes them, before whatever adds them.
+  const auto join_shared = [&] { return call.shared_apart ? cudaStreamWaitEvent(stream, apart.side.join, 0) : cudaSuccess; };
   if (call.down_blend_ways > 0) {
+    err = join_shared();
+    if (err != cudaSuccess) return err;
     const int warps = call.max_items * call.down_blend_ways;
     const dim3 block((warps < kDownBlendWarps ? warps : kDownBlendWarps) * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
@@ -1476,6 +1536,7 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
   }
   err = launch_gemm(false, L, n, ws, call, stream);
   if (err == cudaSuccess && call.mixed) err = cudaStreamWaitEvent(stream, side.join, 0);
+  if (err == cudaSuccess) err = join_shared();
   if (err != cudaSuccess) return err;
   return launch_moe_blend(L, x, n, ws, out, stream);
 }

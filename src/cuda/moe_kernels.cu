@@ -530,7 +530,8 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
   __shared__ typename Scan::TempStorage scan_storage;
   const int experts = L.num_experts + (L.has_shared ? 1 : 0);
   int* cursor = counts + experts;
-  const int routes = n * L.top_k + (L.has_shared ? n : 0);
+  // The shared expert's routes (n k + t) only where its own chain does not run it.
+  const int routes = n * L.top_k + (L.has_shared && !ws.shared_apart ? n : 0);
   // A thread's routes kBatch at a time, their ids' loads issued before any is used: a loop over
   // one route at a time waits an L2 round trip per route (11 in turn at qwen3-next N = 256). With
   // the ids in shared memory (`ids`), one at a time: eight there, in a build that also compiled the

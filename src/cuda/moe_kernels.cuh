@@ -66,6 +66,7 @@ struct DevLayer {
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   int8_t mixed_tiles = -1;   // hot experts' items at two token tiles (expert_major_mixed): 1 forced, 0 forbidden, -1 chosen
+  int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
@@ -184,6 +185,10 @@ struct DevWorkspace {
   // experts' items of up to 16 routes, in ws.items past the one-tile items, and their count.
   int4* hot_items = nullptr;
   int32_t* hot_num_items = nullptr;
+  // Set per call where the shared expert runs apart (ExpertMajorLaunch::shared_apart): the route
+  // kernel groups the routed experts' routes only, and a fused down and blend adds the shared
+  // expert's outputs from expert_out, where its own chain wrote them.
+  bool shared_apart = false;
   int32_t* route_blocks_done = nullptr;  // [1] zero between calls: the route kernel's finish line
   // moe_router_mma: each block's fp32 sums over its slice of K, [slices, n, padded rows], and per
   // (row group, token group) the count of slices done, zero between calls.
@@ -467,6 +472,21 @@ inline bool expert_major_mixed(int mode, int n, int group, bool stageable, bool 
   return !fused_down_blend && routed >= kExpertMajorMixedFromRoutes * experts;
 }
 
+// Whether an expert-major call runs its shared expert apart: its gate_up and down in a chain of
+// their own on a second stream, forked before the router and joined before the blend (or the fused
+// down and blend), over items, routes and a bf16 copy of x that the chain writes itself
+// (launch_moe_shared_apart). Its bytes then move while the router and the selection run, which
+// take 4-17 us per call however few bytes they move (docs/PERF.md, "Where the gap comes from"),
+// and the routed experts' grids lose its items: DeepSeek-V3 N = 1's split-K gate_up 1152 blocks
+// (2.2 waves of 4 per SM) become 1024 (1.9). Only with a shared expert (on this rank); `mode`
+// forces it (1) or forbids it (0); by default (-1) wherever the gate_up does not select
+// (`selects`: expert_major_gate_up_selects, which needs the route kernel gone, so forcing this
+// turns it off).
+inline bool expert_major_shared_apart(int mode, bool has_shared, bool selects) {
+  if (!has_shared || mode == 0) return false;
+  return mode == 1 || !selects;
+}
+
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
 // which GEMMs run staged, which of those stage their activations in slices (the layer's K past
 // expert_major_staged_fits, and the two-tile gate_up), and whether the staged down copies its
@@ -504,7 +524,29 @@ struct ExpertMajorLaunch {
   int hot_max_items = 0;
   int hot_down_passes = 1;
   int hot_down_ahead = 1;
+  // The shared expert in a chain of its own, beside the router (expert_major_shared_apart).
+  bool shared_apart = false;
 };
+
+// The rest of a launch's GEMM kernels once its routes per item, grid and which GEMMs run staged
+// are chosen (c.group, c.max_items, c.staged_gate_up, c.staged_down, c.down_blend_ways): slices,
+// the down's scale copies and passes, chunks ahead, row pairs, and the 32-row split-K gate_up.
+inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
+  c.gate_up_sliced = c.staged_gate_up && (!expert_major_staged_fits(L.hidden) || c.group == 16);
+  c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
+  // Scale tiles already bring a warp's codes in one coalesced load per chunk.
+  c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
+                         expert_major_stages_scales(L.act_stride, 1);
+  if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
+    c.down_passes =
+        expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4, c.group / 8);  // tiles
+  }
+  const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
+  if (c.staged_gate_up && !c.gate_up_sliced) c.gate_up_ahead = ahead;
+  if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
+  c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
+  c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
+}
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   ExpertMajorLaunch c;
@@ -521,28 +563,30 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   if (c.mixed) c.down_blend_ways = 0;  // forced past a fused down and blend
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
   c.staged_down = down_stages && c.down_blend_ways == 0;
-  c.gate_up_sliced = c.staged_gate_up && (!expert_major_staged_fits(L.hidden) || c.group == 16);
-  c.down_sliced = c.staged_down && !expert_major_staged_fits(L.act_stride);
-  // Scale tiles already bring a warp's codes in one coalesced load per chunk.
-  c.down_copies_scales = c.staged_down && c.group == 8 && L.nvfp4 && !L.weight_tiles &&
-                         expert_major_stages_scales(L.act_stride, 1);
-  if (c.staged_down && !c.down_sliced && !c.down_copies_scales) {
-    c.down_passes =
-        expert_major_staged_passes(L.staged_passes, L.hidden, c.max_items, L.sm_count, L.nvfp4, c.group / 8);  // tiles
-  }
-  const int ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
-  if (c.staged_gate_up && !c.gate_up_sliced) c.gate_up_ahead = ahead;
-  if (c.staged_down && !c.down_sliced && !c.down_copies_scales) c.down_ahead = ahead;
-  c.down_pairs = c.down_blend_ways == 0 && expert_major_down_pairs(c.staged_down, c.group, L.hidden);
-  c.gate_up_selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
-  c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
+  const bool selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
+  c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects);
+  c.gate_up_selects = selects && !c.shared_apart;
+  expert_major_gemm_details(L, c);
   if (c.mixed) {
     c.hot_offset = expert_major_hot_offset(routes, experts);
     c.hot_max_items = expert_major_hot_max_items(routes);
     c.hot_down_passes = expert_major_staged_passes(L.staged_passes, L.hidden, c.hot_max_items, L.sm_count, L.nvfp4, 2);
-    c.hot_down_ahead = ahead;
+    c.hot_down_ahead = expert_major_staged_ahead(L.staged_ahead, L.nvfp4);
   }
   return c;
+}
+
+// The shared expert's launches in a call that runs it apart: what the rules of expert_major_launch
+// choose for a grid of its items alone (its n routes, at the call's routes per item, or 16 where
+// the call mixes token tiles, as its hot items were), never a fused down and blend.
+inline ExpertMajorLaunch expert_major_shared_launch(const DevLayer& L, const ExpertMajorLaunch& call, int n) {
+  ExpertMajorLaunch s;
+  s.group = call.mixed ? 16 : call.group;
+  s.max_items = (n + s.group - 1) / s.group;
+  s.staged_gate_up = expert_major_staged(L.staged, s.group, L.act_stride, L.hidden, s.max_items, L.sm_count);
+  s.staged_down = expert_major_staged(L.staged, s.group, L.hidden, L.act_stride, s.max_items, L.sm_count);
+  expert_major_gemm_details(L, s);
+  return s;
 }
 
 // The hot experts' launches of a call that mixes token tiles: what a call of two token tiles per
@@ -672,15 +716,36 @@ struct SideStream {
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
 };
+// The chain of a call that runs its shared expert apart (ExpertMajorLaunch::shared_apart): its
+// stream and events, and the shared expert's own work items (one per `group` of its routes), route
+// list (route n k + t for token t) and bf16 copy of x, all written at the head of the chain.
+struct SharedApart {
+  SideStream side;
+  int4* items = nullptr;          // [shared_apart_max_items(max_tokens)]
+  int32_t* num_items = nullptr;   // [1]
+  int32_t* route_list = nullptr;  // [max_tokens]
+  uint16_t* x_bf16 = nullptr;     // [max_tokens, H]
+};
+// The shared expert's items where it runs apart: at most one per 8 of a call's tokens.
+inline int shared_apart_max_items(int max_tokens) { return (max_tokens + 7) / 8; }
+// The shared expert's chain of an n-token call that runs it apart: on apart.side, from an event
+// recorded on `stream` now (so before the router, where the caller launches this first), its
+// items, route list and bf16 x, then its gate_up and down (expert_major_shared_launch), which write
+// its routes' rows of ws.act_bf16 and ws.expert_out and nothing else; then apart.side.join, which
+// launch_moe_expert_major waits for before the blend.
+cudaError_t launch_moe_shared_apart(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
+                                    const ExpertMajorLaunch& call, const SharedApart& apart, cudaStream_t stream);
 // Routes grouped by expert on the device, then per (expert, 16 rows, up to 32 routes) one block
 // of tensor-core MMAs over the expert's weights, read once per call and dequantized in registers.
 // `call` is expert_major_launch(layer, n), whose group the route kernel grouped by. Where it mixes
 // token tiles, ws.hot_items is set (as for the route kernel), and the hot items' gate_up and down
 // run on `side`, from an event recorded on `stream`, and `stream` waits for them before the blend:
-// a fork and a join, which a graph capture of `stream` takes in.
+// a fork and a join, which a graph capture of `stream` takes in. Where it runs the shared expert
+// apart (ws.shared_apart set too), `stream` waits for apart.side.join before the blend or the
+// fused down and blend.
 cudaError_t launch_moe_expert_major(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
-                                    const ExpertMajorLaunch& call, const SideStream& side, float* out,
-                                    cudaStream_t stream);
+                                    const ExpertMajorLaunch& call, const SideStream& side, const SharedApart& apart,
+                                    float* out, cudaStream_t stream);
 // Whether the blend issues all of a thread's loads first (moe_blend<true>, 78 registers): where
 // its grid of `blocks` fits one wave of the `resident_per_sm` blocks an SM holds of it. Past that
 // it runs at full occupancy instead. Measured on the H200, loads first against the loop (docs/PERF.md

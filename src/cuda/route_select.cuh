@@ -233,7 +233,7 @@ __device__ __forceinline__ int4 group_one_token(const DevLayer& L, const DevWork
                                                 bool publish = true) {
   __syncwarp();  // the choices in `ids` were written by other lanes of this warp
   const int lane = threadIdx.x % kWarp;
-  const int routes = L.top_k + (L.has_shared ? 1 : 0);  // <= 32 (moe_route_warps)
+  const int routes = L.top_k + (L.has_shared && !ws.shared_apart ? 1 : 0);  // <= 32 (moe_route_warps)
   const int e = lane < routes ? route_table_index(L, ws, 1, lane, ids) : -1;
   const uint32_t kept = __ballot_sync(0xFFFFFFFFu, e >= 0);
   const int slot = __popc(kept & ((1u << lane) - 1u));
