@@ -1415,7 +1415,8 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
     return fmt::format("{} {} {}{}", s.group, s.max_items, gate_up, down);
   };
   cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
-  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
+  ds.router_outputs = 256, ds.sm_count = 132;
   EXPECT_EQ(apart(ds, 1), "8 1 sp");  // 128 gate_up blocks beside the router; the routed 1024
   EXPECT_EQ(apart(ds, 8), "8 1 sp");
   EXPECT_EQ(apart(ds, 63), "8 8 sp");
@@ -1427,8 +1428,9 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   EXPECT_EQ(apart(staged, 256), "16 16 LS");
   cuda::DevLayer next;  // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
-  next.sm_count = 132;
-  EXPECT_EQ(apart(next, 1), "8 1 sp");
+  next.router_outputs = 512, next.sm_count = 132;
+  next.down_path = cuda::kPathNvfp4Tiled;  // one K loop: the fused down and blend up to 16 tokens
+  EXPECT_EQ(apart(next, 1), "8 1 sp");  // 512 router outputs: the gate_up cannot select
   EXPECT_TRUE(cuda::expert_major_launch(next, 8).down_blend_ways > 0);  // joined before the fused down
   EXPECT_EQ(apart(next, 256), "16 16 ss");
   cuda::DevLayer off = next;
@@ -1439,7 +1441,7 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   // wave): by default the selection keeps it; forced, the route kernel selects again.
   cuda::DevLayer small;
   small.hidden = 2048, small.act_stride = 768, small.num_experts = 128, small.top_k = 8, small.has_shared = true;
-  small.sm_count = 132;
+  small.router_outputs = 128, small.sm_count = 132;
   EXPECT_TRUE(cuda::expert_major_launch(small, 1).gate_up_selects);
   EXPECT_EQ(apart(small, 1), "-");
   EXPECT_EQ(apart(small, 2), "8 1 sp");
