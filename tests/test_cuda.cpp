@@ -316,6 +316,28 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
   EXPECT_EQ(checked, 8 * 4 * 6 * 7);  // (shapes + the long down row-major) x formats x N x kernels
 }
 
+// One eager call of `moe` with its outputs and the GPU's shared memory poisoned first; `got` its
+// outputs, all of them finite.
+void poisoned_forward(const CudaMoe& moe, DeviceArray<float>& x, DeviceArray<float>& out, int64_t n,
+                      std::vector<float>& got) {
+  out.poison();
+  ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
+  ASSERT_OK(moe.forward(x.ptr, n, out.ptr, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  got = out.get();
+  ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }));
+}
+
+// The call captured in a graph (a fork and join to another stream too) and replayed with other
+// tokens, bit for bit against eager calls and within 1e-2 of the reference.
+void expect_captured_replays_match(const CudaMoe& moe, const Layer& layer, DeviceArray<float>& x,
+                                   DeviceArray<float>& out, int64_t n) {
+  CapturedGraph g;
+  ASSERT_NO_FATAL_FAILURE(
+      capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe.forward(x.ptr, n, out.ptr, s)); }));
+  expect_replays_match(g, moe, layer, x, out, n, 1, 2);
+}
+
 // Mixed token tiles (cuda::expert_major_mixed): the experts with more than 8 routes in a call run
 // as items of up to 16 routes in the two-tile staged kernels, on a second stream, the others at 8
 // routes per item as before. Forced on, against forced off and the reference, on shapes whose
@@ -358,12 +380,8 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
             EXPECT_EQ(config.rfind("8 routes/item", 0), 0u) << what << ": " << config;
             EXPECT_EQ(config.find("experts past 8 routes at 16 routes/item") != std::string::npos, mixed)
                 << what << ": " << config;
-            out.poison();
-            ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
-            ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            const std::vector<float> got = out.get();
-            ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+            std::vector<float> got;
+            ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
             EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
             if (!mixed) {
               one_tile = got;
@@ -371,10 +389,7 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
             }
             // The same sums in another grouping: bf16 operands, fp32 sums over the same K order.
             EXPECT_LE(testing::rel_l2(got, one_tile), 2e-3) << what;
-            CapturedGraph g;
-            ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamNonBlocking,
-                                            [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
-            expect_replays_match(g, *moe, layer, x, out, n, 1, 2);
+            ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
             ++checked;
           }
         }
@@ -421,12 +436,8 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
               fmt::format("{}, {}, n {}, apart {}", describe_shape(d), quant_spec_name(spec), n, apart ? "on" : "off");
           const std::string config = moe->call_config(n);
           EXPECT_EQ(config.find("shared expert beside the router") != std::string::npos, apart) << what << ": " << config;
-          out.poison();
-          ASSERT_EQ(testing::poison_shared_memory(nullptr), cudaSuccess);
-          ASSERT_OK(moe->forward(x.ptr, n, out.ptr, nullptr));
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          const std::vector<float> got = out.get();
-          ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << what;
+          std::vector<float> got;
+          ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
           EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
           if (!apart) {
             in_call = got;
@@ -436,10 +447,7 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
           EXPECT_LE(testing::rel_l2(got, in_call), 2e-3) << what;
           fused += config.find("+ blend") != std::string::npos ? 1 : 0;
           mixed += config.find("experts past 8 routes") != std::string::npos ? 1 : 0;
-          CapturedGraph g;
-          ASSERT_NO_FATAL_FAILURE(capture(g, cudaStreamNonBlocking,
-                                          [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
-          expect_replays_match(g, *moe, layer, x, out, n, 1, 2);
+          ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
           ++checked;
         }
       }
