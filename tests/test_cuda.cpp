@@ -1245,6 +1245,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768; downs in NVFP4 tiles
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
   qwen.down_path = cuda::kPathNvfp4Tiled;
+  qwen.routed_expert_bytes = 2654220;  // NVFP4
   const auto choice = [](const cuda::DevLayer& L, int n) {
     const cuda::ExpertMajorLaunch c = cuda::expert_major_launch(L, n);
     // s: split-K, S: staged, L: staged in slices; 2, 4: staged in blocks of two or four 64-row passes;
@@ -1272,14 +1273,18 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(mixed, 8), "8 64 wS");  // down: 32 x 64 blocks past 8 x 132
   // Down's two passes from 28 blocks per SM of the two-pass grid (3696): 16 x 193 = 3088 is under
   // it; four (NVFP4 only) from 20 per SM of the four-pass grid (2640): 8 x 257 = 2056 is under it
-  // From 2 routes per expert (N = 32 here) past the fused blend (N = 17): mixed token tiles, the hot
-  // items' grid 1 per 8 routes (512 / 8 = 64), its down one pass (16 x 64 two-pass blocks)
-  EXPECT_EQ(choice(qwen, 64), "8 193 SS +64 LS");
-  EXPECT_EQ(choice(qwen, 127), "8 256 S2 +127 LS");   // 16 x 256 = 4096
-  EXPECT_EQ(choice(qwen, 31), "8 160 SS");  // 248 routes: under 2 per expert
-  cuda::DevLayer unmixed = qwen;
-  unmixed.mixed_tiles = 0;
-  EXPECT_EQ(choice(unmixed, 64), "8 193 SS");
+  // Mixed token tiles by default only from 8 MB per expert: here forced, or at 8 MB (the same
+  // calls past 2 routes per expert, N = 32 here, and past the fused blend, N = 17). The hot items'
+  // grid 1 per 8 routes (512 / 8 = 64), its down one pass (16 x 64 two-pass blocks).
+  EXPECT_EQ(choice(qwen, 64), "8 193 SS");
+  EXPECT_EQ(choice(qwen, 127), "8 256 S2");  // 16 x 256 = 4096
+  cuda::DevLayer large = qwen;
+  large.routed_expert_bytes = cuda::kExpertMajorMixedFromBytes;
+  EXPECT_EQ(choice(large, 64), "8 193 SS +64 LS");
+  EXPECT_EQ(choice(large, 127), "8 256 S2 +127 LS");
+  EXPECT_EQ(choice(large, 31), "8 160 SS");  // 248 routes: under 2 per expert
+  large.routed_expert_bytes -= 1;
+  EXPECT_EQ(choice(large, 64), "8 193 SS");
   cuda::DevLayer mixed_on = qwen;
   mixed_on.mixed_tiles = 1;  // forced: in place of the fused blend too, but not at 8 tokens or under
   EXPECT_EQ(choice(mixed_on, 16), "8 128 SS +16 LS");
@@ -1306,9 +1311,9 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(passes_forced(forced_on, 2), 1), "8 8 S2");  // forced: however small the grid
   EXPECT_EQ(choice(passes_forced(forced_on, 4), 1), "8 8 S4");
   EXPECT_EQ(choice(passes_forced(qwen, 1), 256), "16 257 LS");
-  EXPECT_EQ(choice(passes_forced(qwen, 2), 64), "8 193 S2 +64 L2");
+  EXPECT_EQ(choice(passes_forced(mixed_on, 2), 64), "8 193 S2 +64 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 256), "16 257 L2");
-  EXPECT_EQ(choice(passes_forced(qwen, 4), 64), "8 193 S4 +64 L4");
+  EXPECT_EQ(choice(passes_forced(mixed_on, 4), 64), "8 193 S4 +64 L4");
   EXPECT_EQ(choice(passes_forced(qwen, 4), 256), "16 257 L4");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 128), "16 193 L2");
   EXPECT_EQ(choice(passes_forced(qwen, 2), 1), "8 8 sb");  // forcing passes stages nothing
@@ -1316,6 +1321,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   cuda::DevLayer next;
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.sm_count = 132;
+  next.routed_expert_bytes = next.shared_expert_bytes = 1769484;  // NVFP4: no mixed tiles by default
   EXPECT_EQ(choice(next, 16), "8 176 SS");  // 16 x 176 = 2816 two-pass blocks
   next.down_path = cuda::kPathNvfp4Tiled;  // the rolled fused down at N = 2-11: 22-121 items
   EXPECT_EQ(choice(next, 3), "8 33 sb");
@@ -1323,14 +1329,19 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   next.down_path = cuda::kPathAny;
   EXPECT_EQ(choice(next, 32), "8 352 S2");  // 16 x 352 = 5632
-  EXPECT_EQ(choice(next, 256), "8 866 S2 +352 L2");  // mixed from 103 tokens (1024 routed routes)
-  EXPECT_EQ(choice(next, 102), "8 654 S2");
+  EXPECT_EQ(choice(next, 256), "8 866 S2");
+  next.mixed_tiles = 1;  // else from 103 tokens (1024 routed routes)
+  EXPECT_EQ(choice(next, 256), "8 866 S2 +352 L2");
   EXPECT_EQ(choice(next, 103), "8 655 S2 +141 LS");  // 1133 routes: 141 hot items at most
+  next.mixed_tiles = -1;
   next.nvfp4 = true;  // four passes: 8 x 352 = 2816 four-pass blocks
   EXPECT_EQ(choice(next, 16), "8 176 SS");
   EXPECT_EQ(choice(next, 32), "8 352 S4");
+  EXPECT_EQ(choice(next, 256), "8 866 S4");
+  next.mixed_tiles = 1;
   EXPECT_EQ(choice(next, 256), "8 866 S4 +352 L4");  // the hot down's four passes: 8 x 352 blocks
   EXPECT_EQ(choice(passes_forced(next, 2), 256), "8 866 S2 +352 L2");  // forced below the auto choice too
+  next.mixed_tiles = -1;
   next.sm_count = 144;  // a larger GPU: 2816 is under 20 x 144, 5632 over 28 x 144
   EXPECT_EQ(choice(next, 32), "8 352 S2");
   // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048: at one token tile gate_up split-K
@@ -1338,6 +1349,7 @@ TEST(ExpertMajorSizing, CallsChooseTheirKernelsByShapeAndTokens) {
   // tiles, gate_up staged in slices.
   cuda::DevLayer ds;
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true, ds.sm_count = 132;
+  ds.routed_expert_bytes = ds.shared_expert_bytes = 24772620;  // NVFP4
   EXPECT_EQ(choice(ds, 1), "8 9 sp");   // down: 448 blocks of H, past one per SM: no fused blend
   EXPECT_EQ(choice(ds, 2), "8 18 sp");  // down: 112 x 18 blocks, but under 32 items
   // gate_up: 32 x 36 blocks, but K = 7168 only in slices; down: one pass at 56 x 36 two-pass
@@ -1425,31 +1437,43 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
   ds.router_outputs = 256, ds.sm_count = 132;
+  ds.routed_expert_bytes = ds.shared_expert_bytes = 24772620;  // NVFP4
+  // By default up to 8 tokens (one item) where the shared expert takes 8 MB or more
   EXPECT_EQ(apart(ds, 1), "8 1 sp");  // 128 gate_up blocks beside the router; the routed 1024
   EXPECT_EQ(apart(ds, 8), "8 1 sp");
-  EXPECT_EQ(apart(ds, 63), "8 8 sp");
-  EXPECT_EQ(apart(ds, 64), "16 4 ss");  // mixed from 64 tokens
-  EXPECT_EQ(apart(ds, 255), "16 16 ss");  // the call mixes token tiles: 16 routes per item, as its hot items
-  EXPECT_EQ(apart(ds, 256), "16 16 ss");  // two token tiles; 16 items are too few to stage
-  cuda::DevLayer staged = ds;
-  staged.staged = 1;
-  EXPECT_EQ(apart(staged, 256), "16 16 LS");
+  EXPECT_EQ(apart(ds, 9), "-");
+  EXPECT_EQ(apart(ds, 256), "-");
+  cuda::DevLayer forced = ds;
+  forced.shared_apart = 1;
+  EXPECT_EQ(apart(forced, 63), "8 8 sp");
+  EXPECT_EQ(apart(forced, 64), "16 4 ss");  // the call mixes token tiles: 16 routes per item, as its hot items
+  EXPECT_EQ(apart(forced, 256), "16 16 ss");  // two token tiles; 16 items are too few to stage
+  forced.staged = 1;
+  EXPECT_EQ(apart(forced, 256), "16 16 LS");
+  cuda::DevLayer small_shared = ds;
+  small_shared.shared_expert_bytes = cuda::kSharedApartFromBytes - 1;
+  EXPECT_EQ(apart(small_shared, 1), "-");
+  small_shared.shared_expert_bytes += 1;
+  EXPECT_EQ(apart(small_shared, 1), "8 1 sp");
   cuda::DevLayer next;  // qwen3-next-80b-a3b: 512 experts + shared, top-10, H 2048, I 512
   next.hidden = 2048, next.act_stride = 512, next.num_experts = 512, next.top_k = 10, next.has_shared = true;
   next.router_outputs = 512, next.sm_count = 132;
+  next.routed_expert_bytes = next.shared_expert_bytes = 1769484;  // NVFP4: under 8 MB
   next.down_path = cuda::kPathNvfp4Tiled;  // one K loop: the fused down and blend up to 16 tokens
+  EXPECT_EQ(apart(next, 1), "-");
+  next.shared_apart = 1;
   EXPECT_EQ(apart(next, 1), "8 1 sp");  // 512 router outputs: the gate_up cannot select
   EXPECT_TRUE(cuda::expert_major_launch(next, 8).down_blend_ways > 0);  // joined before the fused down
-  EXPECT_EQ(apart(next, 256), "16 16 ss");
-  cuda::DevLayer off = next;
-  off.shared_apart = 0;
-  EXPECT_EQ(apart(off, 1), "-");
-  EXPECT_EQ(apart(off, 256), "-");
+  EXPECT_EQ(apart(next, 8), "8 1 sp");
+  EXPECT_EQ(apart(next, 256), "8 32 sp");  // not mixed (1.8 MB experts): 32 items, 256 blocks: split-K
+  next.shared_apart = 0;
+  EXPECT_EQ(apart(next, 1), "-");
   // A shared expert beside a one-token call whose gate_up selects (48 x 9 split-K blocks fit a
   // wave): by default the selection keeps it; forced, the route kernel selects again.
   cuda::DevLayer small;
   small.hidden = 2048, small.act_stride = 768, small.num_experts = 128, small.top_k = 8, small.has_shared = true;
   small.router_outputs = 128, small.sm_count = 132;
+  small.shared_expert_bytes = cuda::kSharedApartFromBytes;
   EXPECT_TRUE(cuda::expert_major_launch(small, 1).gate_up_selects);
   EXPECT_EQ(apart(small, 1), "-");
   EXPECT_EQ(apart(small, 2), "8 1 sp");

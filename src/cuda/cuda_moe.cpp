@@ -435,6 +435,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};
   L.mixed_tiles = options.mixed_tiles ? static_cast<int8_t>(*options.mixed_tiles) : int8_t{-1};
   L.shared_apart = options.shared_apart ? static_cast<int8_t>(*options.shared_apart) : int8_t{-1};
+  L.routed_expert_bytes = layer.routed_expert_bytes();
+  L.shared_expert_bytes = layer.shared ? layer.shared->bytes() : 0;
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
     return x.gate.format == static_cast<uint8_t>(WeightFormat::kNVFP4) ||
            x.down.format == static_cast<uint8_t>(WeightFormat::kNVFP4);

@@ -67,6 +67,10 @@ struct DevLayer {
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   int8_t mixed_tiles = -1;   // hot experts' items at two token tiles (expert_major_mixed): 1 forced, 0 forbidden, -1 chosen
   int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
+  // Bytes of one routed expert's weights and of the shared expert's (0 without one), for the rules
+  // that weigh a second stream's fixed cost against the bytes it moves sooner or reads fewer times.
+  int64_t routed_expert_bytes = 0;
+  int64_t shared_expert_bytes = 0;
   bool nvfp4 = false;    // some expert (routed or shared) is NVFP4: staged blocks make room for its scales
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
@@ -458,18 +462,23 @@ inline int expert_major_down_blend_rounds(int ways, int max_items) {
 // Only where the two-tile kernels can run (expert_major_stageable: the down staged whole), and for
 // calls of more than 8 tokens (no expert has more routes than tokens). `mode` forces it (1; then
 // also in place of a fused down and blend) or forbids it (0); by default (-1) where the routed
-// experts average kExpertMajorMixedFromRoutes routes or more and the call has no fused down and
-// blend. Counted on the bench's routings (NVFP4, 8 inputs): qwen3-next N = 128 groups 374 items at
-// 8 routes in the correlated routing and 338 mixed (28 hot experts and the shared one), N = 256
-// 585 and 470; qwen3-30b N = 64 correlated 116 and 97; DeepSeek-V3 N = 128 correlated 254 and
-// 210. The independent routing has few hot experts below 8 routes per expert on average (qwen3-next
-// N = 256: 36 of 509), and there mainly the shared expert's items halve.
+// experts average kExpertMajorMixedFromRoutes routes or more, the call has no fused down and
+// blend, and a routed expert's weights take kExpertMajorMixedFromBytes or more. Counted on the
+// bench's routings (NVFP4, 8 inputs): qwen3-next N = 128 groups 374 items at 8 routes in the
+// correlated routing and 338 mixed (28 hot experts and the shared one), N = 256 585 and 470;
+// qwen3-30b N = 64 correlated 116 and 97; DeepSeek-V3 N = 128 correlated 254 and 210. Measured on
+// an H100 against the same build with mixing off (docs/PERF.md v3.34): DeepSeek-V3 (24.8 MB per
+// expert) N = 64-128 1.01-1.02x independent, 1.03-1.05x correlated; qwen3-next (1.8 MB) N = 128-256
+// 0.99-1.01x; qwen3-30b (2.7 MB) N = 32-64 0.95-0.97x, correlated N = 64 1.01x. Fewer reads of a
+// small expert save less than the second chain's launches and empty blocks cost.
 inline constexpr int kExpertMajorMixedFromRoutes = 2;
+inline constexpr int64_t kExpertMajorMixedFromBytes = int64_t{8} << 20;
 inline bool expert_major_mixed(int mode, int n, int group, bool stageable, bool fused_down_blend, int routed,
-                               int experts) {
+                               int experts, int64_t expert_bytes) {
   if (group != 8 || !stageable || n <= 8) return false;
   if (mode >= 0) return mode == 1;
-  return !fused_down_blend && routed >= kExpertMajorMixedFromRoutes * experts;
+  return !fused_down_blend && routed >= kExpertMajorMixedFromRoutes * experts &&
+         expert_bytes >= kExpertMajorMixedFromBytes;
 }
 
 // Whether an expert-major call runs its shared expert apart: its gate_up and down in a chain of
@@ -479,12 +488,17 @@ inline bool expert_major_mixed(int mode, int n, int group, bool stageable, bool 
 // take 4-17 us per call however few bytes they move (docs/PERF.md, "Where the gap comes from"),
 // and the routed experts' grids lose its items: DeepSeek-V3 N = 1's split-K gate_up 1152 blocks
 // (2.2 waves of 4 per SM) become 1024 (1.9). Only with a shared expert (on this rank); `mode`
-// forces it (1) or forbids it (0); by default (-1) wherever the gate_up does not select
-// (`selects`: expert_major_gate_up_selects, which needs the route kernel gone, so forcing this
-// turns it off).
-inline bool expert_major_shared_apart(int mode, bool has_shared, bool selects) {
+// forces it (1) or forbids it (0); by default (-1) for calls of up to 8 tokens (the shared expert
+// one item) where the shared expert's weights take kSharedApartFromBytes or more and the gate_up
+// does not select (`selects`: expert_major_gate_up_selects, which needs the route kernel gone, so
+// forcing this turns it off). Measured on an H100 against the same build with it off
+// (docs/PERF.md v3.34): DeepSeek-V3 (a 24.8 MB shared expert) N = 1-2 1.03-1.06x, N = 8 1.00-1.02x,
+// N = 64-256 0.98-0.99x; qwen3-next (1.8 MB) 0.87x at N = 1, 0.95-0.98x at N = 8-128: where the
+// shared expert's bytes take under a microsecond, the second chain only adds its launches.
+inline constexpr int64_t kSharedApartFromBytes = int64_t{8} << 20;
+inline bool expert_major_shared_apart(int mode, bool has_shared, bool selects, int n, int64_t shared_bytes) {
   if (!has_shared || mode == 0) return false;
-  return mode == 1 || !selects;
+  return mode == 1 || (!selects && n <= 8 && shared_bytes >= kSharedApartFromBytes);
 }
 
 // What an expert-major call of n tokens launches: routes per work item, the grid's items, and
@@ -559,12 +573,13 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   // A fused down and blend runs in place of the down the call would otherwise run, staged or not.
   const bool down_stages = expert_major_staged(L.staged, c.group, L.hidden, L.act_stride, c.max_items, L.sm_count);
   c.down_blend_ways = expert_major_down_blend_ways(L, n, down_stages, c.group, c.max_items);
-  c.mixed = expert_major_mixed(L.mixed_tiles, n, c.group, stageable, c.down_blend_ways > 0, n * L.top_k, L.num_experts);
+  c.mixed = expert_major_mixed(L.mixed_tiles, n, c.group, stageable, c.down_blend_ways > 0, n * L.top_k, L.num_experts,
+                               L.routed_expert_bytes);
   if (c.mixed) c.down_blend_ways = 0;  // forced past a fused down and blend
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
   c.staged_down = down_stages && c.down_blend_ways == 0;
   const bool selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
-  c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects);
+  c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
   c.gate_up_selects = selects && !c.shared_apart;
   expert_major_gemm_details(L, c);
   if (c.mixed) {
