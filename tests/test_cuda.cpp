@@ -405,7 +405,7 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
 // over its own items, route list and bf16 x. Forced on against forced off and the reference, on a
 // ragged DeepSeek-V3 shape (ungated shared expert, routed scaling) and a Qwen3-Next one (gated), in
 // NVFP4, FP8 (block-128) and BF16, at N = 1 (the one-warp grouping), 2 and 8 (the fused down and
-// blend), 13 and 24 (mixed token tiles, the shared expert's items at 16 routes), 48 (two token
+// blend), 13 and 24 (mixed token tiles forced, the shared expert's items at 16 routes), 48 (two token
 // tiles) and 130 (four). Each forced-on call also runs in a graph replay with other tokens.
 TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
@@ -431,6 +431,8 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
           CudaMoeOptions options;
           options.path = PathKind::kExpertMajor;
           options.shared_apart = apart;
+          // Mixed token tiles forced where the call can mix (by default only from 8 MB per expert).
+          if (n == 13 || n == 24) options.mixed_tiles = true;
           std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, options));
           const std::string what =
               fmt::format("{}, {}, n {}, apart {}", describe_shape(d), quant_spec_name(spec), n, apart ? "on" : "off");
