@@ -43,15 +43,16 @@ struct CudaMoeOptions {
   // Expert-major calls of one token tile per item: true runs the experts with more than 8 routes in
   // the call (hot experts; the shared expert from 9 tokens) as items of up to 16 routes in the
   // two-tile staged kernels, on a second stream beside the others' kernels, wherever the call has
-  // more than 8 tokens; false never; nullopt where the routed experts average 2 routes or more
-  // (cuda::expert_major_mixed). true is refused at create where the staged kernels are forbidden
+  // more than 8 tokens; false never; nullopt where the routed experts average 2 routes or more and
+  // each expert's weights take 8 MB or more (cuda::expert_major_mixed). true is refused at create where the staged kernels are forbidden
   // or the layer's down cannot stage its activations whole.
   std::optional<bool> mixed_tiles = std::nullopt;
   // Expert-major calls in a layer with a shared expert: true runs the shared expert's gate_up and
   // down in a chain of their own on another stream, forked before the router and joined before the
   // blend, so that its weights are read while the router and the selection run; false in the
-  // call's own kernels, after the selection; nullopt apart wherever the gate_up kernel does not
-  // select for itself (cuda::expert_major_shared_apart). true is refused at create for a layer
+  // call's own kernels, after the selection; nullopt apart in calls of up to 8 tokens whose shared
+  // expert's weights take 8 MB or more, unless the gate_up kernel selects for itself
+  // (cuda::expert_major_shared_apart). true is refused at create for a layer
   // without a shared expert.
   std::optional<bool> shared_apart = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true

@@ -577,13 +577,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--mixed-tiles", bench.mixed_tiles,
                         "CUDA expert-major calls at 8 routes per item: experts past 8 routes run at 16 per item in "
-                        "the two-tile staged kernels, on a second stream, where experts average 2 routes or more "
-                        "(auto), or forced on (calls past 8 tokens) or off")
+                        "the two-tile staged kernels, on a second stream, where experts average 2 routes or more and "
+                        "take 8 MB or more each (auto), or forced on (calls past 8 tokens) or off")
       ->capture_default_str();
   bench_cmd->add_option("--shared-apart", bench.shared_apart,
                         "CUDA expert-major calls with a shared expert: its gate_up and down on a second stream beside "
-                        "the router and the selection, wherever the gate_up kernel does not select (auto), or forced "
-                        "on or off")
+                        "the router and the selection, in calls of up to 8 tokens whose shared expert takes 8 MB or "
+                        "more unless the gate_up kernel selects (auto), or forced on or off")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "
