@@ -44,8 +44,8 @@ struct CudaMoeOptions {
   // the call (hot experts; the shared expert from 9 tokens) as items of up to 16 routes in the
   // two-tile staged kernels, on a second stream beside the others' kernels, wherever the call has
   // more than 8 tokens; false never; nullopt where the routed experts average 2 routes or more and
-  // each expert's weights take 8 MB or more (cuda::expert_major_mixed). true is refused at create where the staged kernels are forbidden
-  // or the layer's down cannot stage its activations whole.
+  // each expert's weights take 8 MB or more (cuda::expert_major_mixed). true is refused at create
+  // where the staged kernels are forbidden or the layer's down cannot stage its activations whole.
   std::optional<bool> mixed_tiles = std::nullopt;
   // Expert-major calls in a layer with a shared expert: true runs the shared expert's gate_up and
   // down in a chain of their own on another stream, forked before the router and joined before the

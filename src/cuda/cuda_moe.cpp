@@ -597,7 +597,9 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     case PathKind::kPerRow:
       return cuda_status(cuda::launch_moe_per_row(impl_->dev, x, tokens, impl_->ws, out, s), "per-row");
     case PathKind::kExpertMajor:
-      return cuda_status(cuda::launch_moe_expert_major(impl_->dev, x, tokens, ws, call, impl_->side, impl_->shared, out, s), "expert-major");
+      return cuda_status(
+          cuda::launch_moe_expert_major(impl_->dev, x, tokens, ws, call, impl_->side, impl_->shared, out, s),
+          "expert-major");
   }
   return internal_error("unknown path");
 }

@@ -1512,7 +1512,9 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
   err = launch_gemm(true, L, n, ws, call, stream);
   if (err != cudaSuccess) return err;
   // The shared expert's outputs, where its own chain computes them, before whatever adds them.
-  const auto join_shared = [&] { return call.shared_apart ? cudaStreamWaitEvent(stream, apart.side.join, 0) : cudaSuccess; };
+  const auto join_shared = [&] {
+    return call.shared_apart ? cudaStreamWaitEvent(stream, apart.side.join, 0) : cudaSuccess;
+  };
   if (call.down_blend_ways > 0) {
     err = join_shared();
     if (err != cudaSuccess) return err;
