@@ -23,6 +23,16 @@ Status cuda_status(cudaError_t err, const char* what) {
   return Status(StatusCode::kInternal, fmt::format("{}: {} ({})", what, cudaGetErrorString(err), cudaGetErrorName(err)));
 }
 
+// A second stream (non-blocking) and its fork and join events (timing off), which CudaMoe::Impl
+// destroys.
+Status create_side_stream(cuda::SideStream& side) {
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  for (cudaEvent_t* e : {&side.fork, &side.join}) {
+    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
+  }
+  return {};
+}
+
 // Device memory in large chunks, handed out 256-byte aligned (every vector load stays aligned);
 // freed all at once.
 class DeviceArena {
@@ -236,40 +246,34 @@ std::string CudaMoe::call_config(int64_t n) const {
         sliced ? std::string("staged+slices") : passes > 1 ? fmt::format("staged x{}", passes) : std::string("staged");
     return ahead == 2 ? kernel + " (2 ahead)" : kernel;
   };
-  const std::string gate_up = call.staged_gate_up   ? staged(call.gate_up_sliced, 1, call.gate_up_ahead)
-                              : call.gate_up_selects ? std::string("split-K (selects)")
-                              : call.gate_up_wide    ? std::string("split-K (32 rows)")
-                                                     : std::string("split-K");
-  std::string down = "split-K";
-  if (call.staged_down) {
-    down = call.down_copies_scales ? std::string("staged+scales") : staged(call.down_sliced, call.down_passes, call.down_ahead);
-  } else if (call.down_blend_ways > 0) {
-    down = fmt::format("split-K + blend ({} warp{}/item{})", call.down_blend_ways, call.down_blend_ways > 1 ? "s" : "",
-                       call.down_blend_rounds > 1 ? fmt::format(", {} items/warp", call.down_blend_rounds) : "");
-  } else if (call.down_pairs) {
-    down = "split-K (row pairs)";
-  }
+  // "R routes/item, gate_up G, down D" of a launch: the call's, or its shared expert's chain's.
+  const auto kernels = [&](const cuda::ExpertMajorLaunch& c) {
+    const std::string gate_up = c.staged_gate_up   ? staged(c.gate_up_sliced, 1, c.gate_up_ahead)
+                                : c.gate_up_selects ? std::string("split-K (selects)")
+                                : c.gate_up_wide    ? std::string("split-K (32 rows)")
+                                                    : std::string("split-K");
+    std::string down = "split-K";
+    if (c.staged_down) {
+      down = c.down_copies_scales ? std::string("staged+scales") : staged(c.down_sliced, c.down_passes, c.down_ahead);
+    } else if (c.down_blend_ways > 0) {
+      down = fmt::format("split-K + blend ({} warp{}/item{})", c.down_blend_ways, c.down_blend_ways > 1 ? "s" : "",
+                         c.down_blend_rounds > 1 ? fmt::format(", {} items/warp", c.down_blend_rounds) : "");
+    } else if (c.down_pairs) {
+      down = "split-K (row pairs)";
+    }
+    return fmt::format("{} routes/item, gate_up {}, down {}", c.group, gate_up, down);
+  };
   // A mixed call's hot experts: the two-tile kernels over their items.
   const std::string hot =
       call.mixed ? fmt::format("; experts past 8 routes at 16 routes/item, gate_up staged+slices, down {}",
                                staged(false, call.hot_down_passes, call.hot_down_ahead))
                  : std::string();
-  // The shared expert's own chain, with its kernels where they differ from the call's.
-  std::string shared;
-  if (call.shared_apart) {
-    const cuda::ExpertMajorLaunch s = cuda::expert_major_shared_launch(L, call, static_cast<int>(n));
-    const std::string s_gate_up = s.staged_gate_up ? staged(s.gate_up_sliced, 1, s.gate_up_ahead)
-                                  : s.gate_up_wide ? std::string("split-K (32 rows)")
-                                                   : std::string("split-K");
-    const std::string s_down = s.staged_down ? (s.down_copies_scales ? std::string("staged+scales")
-                                                                     : staged(s.down_sliced, s.down_passes, s.down_ahead))
-                               : s.down_pairs ? std::string("split-K (row pairs)")
-                                              : std::string("split-K");
-    shared = fmt::format("; shared expert beside the router ({} routes/item, gate_up {}, down {})", s.group, s_gate_up,
-                         s_down);
-  }
-  return fmt::format("{} routes/item, gate_up {}, down {}{}{}; {}; {}", call.group, gate_up, down, hot, shared, layout,
-                     router);
+  // The shared expert's own chain and its kernels.
+  const std::string shared =
+      call.shared_apart ? fmt::format("; shared expert beside the router ({})",
+                                      kernels(cuda::expert_major_shared_launch(L, call, static_cast<int>(n))))
+                        : std::string();
+  return fmt::format("{}{}{}; {}; {}", kernels(call), hot, shared, layout, router);
 }
 
 const Plan& CudaMoe::plan() const { return impl_->plan; }
@@ -522,22 +526,14 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.route_list = static_cast<int32_t*>(*route_list);
   impl->ws.items = static_cast<int4*>(*items);
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
-  MOEINFER_RETURN_IF_ERROR(
-      cuda_status(cudaStreamCreateWithFlags(&impl->side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  for (cudaEvent_t* e : {&impl->side.fork, &impl->side.join}) {
-    MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
-  }
+  MOEINFER_RETURN_IF_ERROR(create_side_stream(impl->side));
   if (L.has_shared) {
     cuda::SharedApart& apart = impl->shared;
     apart.items = static_cast<int4*>(*apart_items);
     apart.num_items = static_cast<int32_t*>(*apart_count);
     apart.route_list = static_cast<int32_t*>(*apart_routes);
     apart.x_bf16 = static_cast<uint16_t*>(*apart_x);
-    MOEINFER_RETURN_IF_ERROR(
-        cuda_status(cudaStreamCreateWithFlags(&apart.side.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-    for (cudaEvent_t* e : {&apart.side.fork, &apart.side.join}) {
-      MOEINFER_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate"));
-    }
+    MOEINFER_RETURN_IF_ERROR(create_side_stream(apart.side));
     // Its GEMMs too read an item beside the count, also in slots past it.
     MOEINFER_RETURN_IF_ERROR(
         cuda_status(cudaMemset(*apart_items, 0, static_cast<size_t>(apart_items_bytes)), "cudaMemset"));
