@@ -460,6 +460,67 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
   EXPECT_GT(mixed, 0) << "no call mixed token tiles beside the shared expert's chain";
 }
 
+// The down launched during gate_up (cuda::expert_major_early_down): its blocks load their first
+// weights before they wait for gate_up's grid. On against off and the reference, in NVFP4, FP8
+// (block-128) and BF16, on a ragged DeepSeek-V3 shape (ungated shared expert, routed scaling, the
+// split-K down of 16 rows), an aligned Qwen3-Next one (gated shared expert, the split-K down of
+// row pairs) and a Qwen3-MoE one (no shared expert), at N = 2 and 8 (the fused down and blend),
+// 24 (a down kernel, then the blend) and 130 (four token tiles). Each early call also runs in a
+// graph replay with other tokens: the programmatic edge is captured.
+TEST_F(Cuda, EarlyDownMatchesTheReference) {
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
+                                                            .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
+                                                           .top_k = 4});
+  int checked = 0, fused = 0, split = 0;
+  for (const LayerDesc& d : {ragged, gated, plain}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 19));
+      for (const int64_t n : {2, 8, 24, 130}) {
+        const int64_t h = d.hidden;
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
+        std::vector<float> expected(tokens.size());
+        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(tokens);
+        std::vector<float> after;
+        for (const bool early : {false, true}) {
+          CudaMoeOptions options;
+          options.path = PathKind::kExpertMajor;
+          options.staged = false;  // split-K gate_up at every N
+          options.shared_apart = false;
+          options.early_down = early;
+          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, options));
+          const std::string what =
+              fmt::format("{}, {}, n {}, early {}", describe_shape(d), quant_spec_name(spec), n, early ? "on" : "off");
+          const std::string config = moe->call_config(n);
+          EXPECT_EQ(config.find("down launched during gate_up") != std::string::npos, early) << what << ": " << config;
+          std::vector<float> got;
+          ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
+          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+          if (!early) {
+            after = got;
+            continue;
+          }
+          // The same kernels and sums: only when the down starts differs.
+          EXPECT_EQ(got, after) << what;
+          fused += config.find("+ blend") != std::string::npos ? 1 : 0;
+          split += config.find("+ blend") == std::string::npos ? 1 : 0;
+          ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * 3 * 4);  // shapes x formats x N
+  EXPECT_GT(fused, 0) << "no early call ran the fused down and blend";
+  EXPECT_GT(split, 0) << "no early call ran a split-K down kernel";
+}
+
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
 // when the next kernel starts, so a kernel that reads shared memory it never wrote reads NaN.
 TEST_F(Cuda, SharedMemoryPoisonReachesTheNextKernel) {
@@ -1487,6 +1548,41 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   qwen.has_shared = false;
   EXPECT_EQ(apart(qwen, 1), "-");
   EXPECT_EQ(apart(qwen, 64), "-");
+}
+
+// Which calls launch their down during gate_up (expert_major_early_down): split-K gate_up that does
+// not select, a split-K or fused down, one stream; never where the mode forbids it.
+TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
+  const auto early = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).early_down; };
+  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
+  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8;
+  qwen.router_outputs = 128, qwen.sm_count = 132;
+  qwen.down_path = cuda::kPathNvfp4Tiled;
+  ASSERT_TRUE(cuda::expert_major_launch(qwen, 1).gate_up_selects);
+  EXPECT_FALSE(early(qwen, 1));  // its gate_up writes the items the down reads first
+  ASSERT_GT(cuda::expert_major_launch(qwen, 2).down_blend_ways, 0);
+  EXPECT_TRUE(early(qwen, 2));  // the fused down and blend
+  EXPECT_TRUE(early(qwen, 8));
+  const cuda::ExpertMajorLaunch q16 = cuda::expert_major_launch(qwen, 16);
+  ASSERT_TRUE(q16.staged_gate_up);
+  EXPECT_FALSE(q16.early_down);  // staged gate_up
+  cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
+  ds.router_outputs = 256, ds.sm_count = 132;
+  ds.routed_expert_bytes = ds.shared_expert_bytes = 24772620;
+  ASSERT_TRUE(cuda::expert_major_launch(ds, 1).shared_apart);
+  EXPECT_FALSE(early(ds, 1));  // a second stream joins before the blend
+  ds.shared_apart = 0;
+  const cuda::ExpertMajorLaunch d1 = cuda::expert_major_launch(ds, 1);
+  ASSERT_TRUE(d1.down_pairs && !d1.staged_down);
+  EXPECT_TRUE(d1.early_down);  // split-K row pairs
+  ASSERT_TRUE(cuda::expert_major_launch(ds, 4).staged_down);
+  EXPECT_FALSE(early(ds, 4));  // the staged down copies activations before its first weights
+  ds.early_down = 0;
+  EXPECT_FALSE(early(ds, 1));
+  qwen.early_down = 1;  // forced: still only where the kernels allow it
+  EXPECT_FALSE(early(qwen, 1));
+  EXPECT_TRUE(early(qwen, 2));
 }
 
 // The shared expert apart forced on in a layer without one is refused before anything is

@@ -61,6 +61,8 @@ struct BenchConfig {
   // The shared expert in a chain of its own beside the router, forced on or off
   // (CudaMoeOptions::shared_apart).
   std::optional<bool> shared_apart;
+  // The down launched during gate_up, forced on or off (CudaMoeOptions::early_down).
+  std::optional<bool> early_down;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
   std::optional<bool> router_mma;
   // Expert weights in tiles where they fit, forced on or off (CudaMoeOptions::weight_tiles).

@@ -55,6 +55,11 @@ struct CudaMoeOptions {
   // (cuda::expert_major_shared_apart). true is refused at create for a layer
   // without a shared expert.
   std::optional<bool> shared_apart = std::nullopt;
+  // Expert-major calls whose gate_up is split-K and whose down is split-K or the fused down and
+  // blend, on one stream: true or nullopt launches the down while gate_up's last blocks still run
+  // (programmatic dependent launch), its blocks loading their first weights before they wait for
+  // gate_up's activations (cuda::expert_major_early_down); false launches it after gate_up ends.
+  std::optional<bool> early_down = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
   // forbids them; nullopt runs them from 16 tokens where their grid holds 3/8 of a block per SM.

@@ -271,8 +271,9 @@ __device__ __forceinline__ T load_scale(const T* p) {
 // kScales false leaves staged scale codes out (they are read once they have arrived). kTiled
 // (NVFP4 main loop over a tiled matrix): both rows' runs from one pointer, and the four scale codes
 // in one load (tiled_scale_offset's order: row gid's two, then row gid + 8's).
+// kB false (split-K): token tile 0's activations are left for load_chunk_b.
 template <Fmt F, int V, int kMats, int kTiles, bool kAligned16, bool kStaged, bool kSmemScales = false,
-          bool kScales = true, bool kTiled = false>
+          bool kScales = true, bool kTiled = false, bool kB = true>
 __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats, kTiled>& ch) {
   const unsigned c = threadIdx.x % 4;
   if constexpr (kTiled) {
@@ -286,7 +287,7 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
       ch.scale_codes[mi][0] =
           load_scale<kStaged>(reinterpret_cast<const uint32_t*>(rows.tile_scales[mi] + chunk * kScaleTileBytes));
     }
-    if constexpr (!kStaged) load_b<V>(rows.b[0], k0 + c * V, ch.b0);
+    if constexpr (!kStaged && kB) load_b<V>(rows.b[0], k0 + c * V, ch.b0);
     return;
   }
   const unsigned k = k0 + c * V;
@@ -317,8 +318,21 @@ __device__ __forceinline__ void load_chunk(const LaneRows<kMats, kTiles>& rows, 
     if constexpr (F == Fmt::kFp8Block) ch.block_scale[mi] = __ldg(rows.block_scales[mi] + k0 / 128);
   }
   if constexpr (kSmemScales && kScales) load_staged_scales(rows, k0, ch.scale_codes);
-  if constexpr (!kStaged) load_b<V>(rows.b[0], k, ch.b0);
+  if constexpr (!kStaged && kB) load_b<V>(rows.b[0], k, ch.b0);
 }
+
+// The token tile 0 activations of a split-K chunk at k0 that load_chunk<..., kB = false> left out.
+template <Fmt F, int V, int kMats, int kTiles, bool kTiled>
+__device__ __forceinline__ void load_chunk_b(const LaneRows<kMats, kTiles>& rows, unsigned k0, Chunk<F, V, kMats, kTiled>& ch) {
+  load_b<V>(rows.b[0], k0 + threadIdx.x % 4 * V, ch.b0);
+}
+
+// Programmatic dependent launch (expert_major_early_down). A gate_up block lets the kernel after it
+// launch (once every block of its grid has, or has exited); a split-K block waits there until the
+// kernel before it has finished and its writes are visible. Both do nothing in a kernel launched
+// the ordinary way, or followed by one.
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // The A register of MMA step s, slot j, for one row's run: the weights of the run's columns
 // 2(2s + j) and 2(2s + j) + 1, which B's natural word 2s + j multiplies. `scale` holds the NVFP4
@@ -518,10 +532,21 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   const unsigned first = way * 4 * V;
   // Named buffers, each loop step a fixed rotation of them (an array indexed in an unrolled loop
   // compiled to other code and registers at one chunk ahead).
+  // A split-K warp's first weights load before it waits for the kernel before (a down launched
+  // during its gate_up: expert_major_early_down), their activations after.
   Chunk<F, V, kMats, kTiled> b0, b1, b2;
-  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled>(rows, first, b0);
+  if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled, !kSplit>(rows, first, b0);
   if constexpr (kAhead == 2) {
-    if (mine > 1) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled>(rows, first + kStride, b1);
+    if (mine > 1) {
+      load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled, !kSplit>(rows, first + kStride, b1);
+    }
+  }
+  if constexpr (kSplit) {
+    wait_for_prior_grid();
+    if (mine > 0) load_chunk_b(rows, first, b0);
+    if constexpr (kAhead == 2) {
+      if (mine > 1) load_chunk_b(rows, first + kStride, b1);
+    }
   }
   if constexpr (kStaged) {
     if (stage()) {
@@ -980,6 +1005,7 @@ void with_path_or_any(int path, F&& f) {
 template <int kTiles, int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per_sm(kPath) : 0)
     moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
+  allow_dependent_launch();
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
   int routes[kTiles];
@@ -1000,6 +1026,7 @@ template <int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) moe_expert_gate_up_wide(DevLayer L, int n,
                                                                                                    DevWorkspace ws) {
   __shared__ float partial[kWarps][8][kWarp];
+  allow_dependent_launch();
   int4 item;
   if (!read_item(ws, item)) return;
   int routes[1];
@@ -1324,9 +1351,33 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
 
 namespace {
 
+// kernel<<<grid, block, smem, stream>>>(args...), or where `early` (a down launched during its
+// gate_up: ExpertMajorLaunch::early_down) as a programmatic dependent launch, which may start
+// while the kernel before it in the stream still runs.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(bool early, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          const Args&... args) {
+  if (!early) {
+    kernel<<<grid, block, smem, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// A split-K GEMM; a down launched early where `early_down` (ExpertMajorLaunch::early_down).
 template <int kTiles>
-cudaError_t launch_split(bool gate_up, bool pairs, const DevLayer& L, int n, const DevWorkspace& ws, int max_items,
-                         cudaStream_t stream) {
+cudaError_t launch_split(bool gate_up, bool pairs, bool early_down, const DevLayer& L, int n, const DevWorkspace& ws,
+                         int max_items, cudaStream_t stream) {
   if (gate_up) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
     if constexpr (kTiles == 1) {
@@ -1338,10 +1389,14 @@ cudaError_t launch_split(bool gate_up, bool pairs, const DevLayer& L, int n, con
     }
   } else if (kTiles == 1 && pairs) {
     const dim3 grid(L.hidden / (2 * kRows), max_items);
-    with_path_or_any(L.down_path,
-                     [&]<int kPath>() { moe_expert_down_pairs<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); });
+    cudaError_t err = cudaSuccess;
+    with_path_or_any(L.down_path, [&]<int kPath>() {
+      err = launch_kernel(early_down, moe_expert_down_pairs<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    });
+    return err;
   } else {
-    moe_expert_down<kTiles><<<dim3((L.hidden + kRows - 1) / kRows, max_items), kWarps * kWarp, 0, stream>>>(L, n, ws);
+    return launch_kernel(early_down, moe_expert_down<kTiles>, dim3((L.hidden + kRows - 1) / kRows, max_items),
+                         kWarps * kWarp, 0, stream, L, n, ws);
   }
   return cudaGetLastError();
 }
@@ -1419,8 +1474,9 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
                      [&]<int kPath>() { moe_expert_gate_up_wide<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); });
     return cudaGetLastError();
   }
-  return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, L, n, ws, max_items, stream)
-                             : launch_split<kMaxTiles>(gate_up, false, L, n, ws, max_items, stream);
+  const bool early = !gate_up && call.early_down;
+  return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, early, L, n, ws, max_items, stream)
+                             : launch_split<kMaxTiles>(gate_up, false, early, L, n, ws, max_items, stream);
 }
 
 }  // namespace
@@ -1521,20 +1577,21 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     const int warps = call.max_items * call.down_blend_ways;
     const dim3 block((warps < kDownBlendWarps ? warps : kDownBlendWarps) * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
+    const bool early = call.early_down;
     if (call.down_blend_rounds > 1) {  // one K loop for every expert's down (L.down_path >= 0: the rule)
       const auto rolled = [&]<int kPath>() {
-        moe_expert_down_blend_rolled<kPath><<<grid, block, 0, stream>>>(L, x, n, ws, call.max_items, out);
+        err = launch_kernel(early, moe_expert_down_blend_rolled<kPath>, grid, block, 0, stream, L, x, n, ws,
+                            call.max_items, out);
       };
       // Not chosen without one loop (expert_major_down_blend_ways).
       if (!with_path(L.down_path, rolled)) return cudaErrorInvalidValue;
-      return cudaGetLastError();
+      return err;
     }
     switch (call.down_blend_ways) {
-      case 4: moe_expert_down_blend<4><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
-      case 2: moe_expert_down_blend<2><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
-      default: moe_expert_down_blend<1><<<grid, block, 0, stream>>>(L, x, n, ws, out); break;
+      case 4: return launch_kernel(early, moe_expert_down_blend<4>, grid, block, 0, stream, L, x, n, ws, out);
+      case 2: return launch_kernel(early, moe_expert_down_blend<2>, grid, block, 0, stream, L, x, n, ws, out);
+      default: return launch_kernel(early, moe_expert_down_blend<1>, grid, block, 0, stream, L, x, n, ws, out);
     }
-    return cudaGetLastError();
   }
   err = launch_gemm(false, L, n, ws, call, stream);
   if (err == cudaSuccess && call.mixed) err = cudaStreamWaitEvent(stream, side.join, 0);

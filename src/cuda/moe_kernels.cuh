@@ -67,6 +67,7 @@ struct DevLayer {
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   int8_t mixed_tiles = -1;   // hot experts' items at two token tiles (expert_major_mixed): 1 forced, 0 forbidden, -1 chosen
   int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
+  int8_t early_down = -1;    // the down launched during gate_up (expert_major_early_down): 1 forced, 0 forbidden, -1 chosen
   // Bytes of one routed expert's weights and of the shared expert's (0 without one), for the rules
   // that weigh a second stream's fixed cost against the bytes it moves sooner or reads fewer times.
   int64_t routed_expert_bytes = 0;
@@ -540,6 +541,8 @@ struct ExpertMajorLaunch {
   int hot_down_ahead = 1;
   // The shared expert in a chain of its own, beside the router (expert_major_shared_apart).
   bool shared_apart = false;
+  // The down (or fused down and blend) launched while gate_up runs (expert_major_early_down).
+  bool early_down = false;
 };
 
 // The rest of a launch's GEMM kernels once its routes per item, grid and which GEMMs run staged
@@ -562,6 +565,20 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
   c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
 }
 
+// Whether an expert-major call launches its down kernel (or its fused down and blend) while its
+// gate_up still runs, by programmatic dependent launch: the gate_up blocks allow it as they start
+// (griddepcontrol.launch_dependents), so the down's blocks take the SMs that gate_up's last blocks
+// leave, read their items and table entries and load their first chunks of weights, and only then
+// wait for gate_up's grid to finish (griddepcontrol.wait, in mma_rows) before they read its
+// activations. Only where gate_up is split-K and does not select (its items and routes are the
+// route kernel's, read before the wait), the down is split-K or the fused down and blend (the
+// staged down copies its activations before its first weights), and the call has no second stream
+// (neither mixed token tiles nor the shared expert apart, whose join would meet a programmatic
+// edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default, -1).
+inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
+  return mode != 0 && !c.staged_gate_up && !c.gate_up_selects && !c.staged_down && !c.mixed && !c.shared_apart;
+}
+
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   ExpertMajorLaunch c;
   const bool stageable = expert_major_stageable(L.staged, L.act_stride);
@@ -582,6 +599,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
   c.gate_up_selects = selects && !c.shared_apart;
   expert_major_gemm_details(L, c);
+  c.early_down = expert_major_early_down(L.early_down, c);
   if (c.mixed) {
     c.hot_offset = expert_major_hot_offset(routes, experts);
     c.hot_max_items = expert_major_hot_max_items(routes);
