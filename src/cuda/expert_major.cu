@@ -136,24 +136,29 @@ __device__ __forceinline__ unsigned load_stream(const unsigned* p) {
 
 // `kBytes` bytes at p into words: 16-byte loads where kAligned16 says p is 16-byte aligned, else
 // 8-byte loads (NVFP4 rows of K % 32 == 16 columns start 8 bytes off every other row). Weights
-// stream (read once per call); activations are cached.
+// stream (read once per call); activations are cached, by ordinary loads: a down launched during
+// its gate_up (expert_major_early_down) reads gate_up's activations after griddepcontrol.wait,
+// and a read-only load (ld.global.nc, __ldg) may be moved above it, which the GPU tests caught.
 template <int kBytes, bool kStream, bool kAligned16>
 __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
   if constexpr (kBytes >= 16 && kAligned16) {
 #pragma unroll
     for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 v = kStream ? load_stream(reinterpret_cast<const uint4*>(p) + i) : __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4* q = reinterpret_cast<const uint4*>(p) + i;
+      const uint4 v = kStream ? load_stream(q) : *q;
       w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
   } else if constexpr (kBytes >= 8) {
 #pragma unroll
     for (int i = 0; i < kBytes / 8; ++i) {
-      const uint2 v = kStream ? load_stream(reinterpret_cast<const uint2*>(p) + i) : __ldg(reinterpret_cast<const uint2*>(p) + i);
+      const uint2* q = reinterpret_cast<const uint2*>(p) + i;
+      const uint2 v = kStream ? load_stream(q) : *q;
       w[2 * i] = v.x, w[2 * i + 1] = v.y;
     }
   } else {
     static_assert(kBytes == 4);
-    w[0] = kStream ? load_stream(reinterpret_cast<const unsigned int*>(p)) : __ldg(reinterpret_cast<const unsigned int*>(p));
+    const unsigned* q = reinterpret_cast<const unsigned*>(p);
+    w[0] = kStream ? load_stream(q) : *q;
   }
 }
 
