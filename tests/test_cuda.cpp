@@ -338,6 +338,20 @@ void expect_captured_replays_match(const CudaMoe& moe, const Layer& layer, Devic
   expect_replays_match(g, moe, layer, x, out, n, 1, 2);
 }
 
+// One call of a test that turns a launch option on and off: the layer made with `options` for n
+// tokens (into `moe`), its config (into `config`) naming `marker` exactly where `marked`, and its
+// output (into `got`, from poisoned buffers) within 1e-2 of the reference's `expected`.
+void option_forward(const Layer& layer, int64_t n, const CudaMoeOptions& options, const std::string& marker, bool marked,
+                    const std::string& what, DeviceArray<float>& x, DeviceArray<float>& out,
+                    const std::vector<float>& expected, std::unique_ptr<CudaMoe>& moe, std::string& config,
+                    std::vector<float>& got) {
+  moe = take(CudaMoe::create(layer, n, options));
+  config = moe->call_config(n);
+  EXPECT_EQ(config.find(marker) != std::string::npos, marked) << what << ": " << config;
+  ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
+  EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+}
+
 // Mixed token tiles (cuda::expert_major_mixed): the experts with more than 8 routes in a call run
 // as items of up to 16 routes in the two-tile staged kernels, on a second stream, the others at 8
 // routes per item as before. Forced on, against forced off and the reference, on shapes whose
@@ -372,17 +386,15 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
           x.put(tokens);
           std::vector<float> one_tile;
           for (const bool mixed : {false, true}) {
-            std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(
-                layer, n, CudaMoeOptions{.path = PathKind::kExpertMajor, .mixed_tiles = mixed}));
             const std::string what = fmt::format("{}, {}, n {}, {}, mixed {}", describe_shape(d), quant_spec_name(spec), n,
                                                  token_routing_name(routing), mixed ? "on" : "off");
-            const std::string config = moe->call_config(n);
-            EXPECT_EQ(config.rfind("8 routes/item", 0), 0u) << what << ": " << config;
-            EXPECT_EQ(config.find("experts past 8 routes at 16 routes/item") != std::string::npos, mixed)
-                << what << ": " << config;
+            std::unique_ptr<CudaMoe> moe;
+            std::string config;
             std::vector<float> got;
-            ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
-            EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+            ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, {.path = PathKind::kExpertMajor, .mixed_tiles = mixed},
+                                                   "experts past 8 routes at 16 routes/item", mixed, what, x, out,
+                                                   expected, moe, config, got));
+            EXPECT_EQ(config.rfind("8 routes/item", 0), 0u) << what << ": " << config;
             if (!mixed) {
               one_tile = got;
               continue;
@@ -433,14 +445,13 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
           options.shared_apart = apart;
           // Mixed token tiles forced where the call can mix (by default only from 8 MB per expert).
           if (n == 13 || n == 24) options.mixed_tiles = true;
-          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, options));
           const std::string what =
               fmt::format("{}, {}, n {}, apart {}", describe_shape(d), quant_spec_name(spec), n, apart ? "on" : "off");
-          const std::string config = moe->call_config(n);
-          EXPECT_EQ(config.find("shared expert beside the router") != std::string::npos, apart) << what << ": " << config;
+          std::unique_ptr<CudaMoe> moe;
+          std::string config;
           std::vector<float> got;
-          ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
-          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+          ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "shared expert beside the router", apart, what, x, out,
+                                                 expected, moe, config, got));
           if (!apart) {
             in_call = got;
             continue;
@@ -494,14 +505,13 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
           options.staged = false;  // split-K gate_up at every N
           options.shared_apart = false;
           options.early_down = early;
-          std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n, options));
           const std::string what =
               fmt::format("{}, {}, n {}, early {}", describe_shape(d), quant_spec_name(spec), n, early ? "on" : "off");
-          const std::string config = moe->call_config(n);
-          EXPECT_EQ(config.find("down launched during gate_up") != std::string::npos, early) << what << ": " << config;
+          std::unique_ptr<CudaMoe> moe;
+          std::string config;
           std::vector<float> got;
-          ASSERT_NO_FATAL_FAILURE(poisoned_forward(*moe, x, out, n, got)) << what;
-          EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << what;
+          ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "down launched during gate_up", early, what, x, out,
+                                                 expected, moe, config, got));
           if (!early) {
             after = got;
             continue;
