@@ -588,9 +588,9 @@ int main(int argc, char** argv) {
                         "more unless the gate_up kernel selects (auto), or forced on or off")
       ->capture_default_str();
   bench_cmd->add_option("--early-down", bench.early_down,
-                        "CUDA expert-major calls with split-K gate_up and a split-K or fused down on one stream: the "
-                        "down launched while gate_up's last blocks run, loading its first weights before it waits "
-                        "(auto and on), or after gate_up ends (off)")
+                        "CUDA expert-major calls on one stream whose split-K gate_up does not select and whose down is "
+                        "split-K or fused with the blend: the down launched while gate_up's last blocks run, loading "
+                        "its first weights before it waits (auto and on), or after gate_up ends (off)")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "

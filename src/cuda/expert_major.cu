@@ -537,9 +537,9 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   const unsigned first = way * 4 * V;
   // Named buffers, each loop step a fixed rotation of them (an array indexed in an unrolled loop
   // compiled to other code and registers at one chunk ahead).
+  Chunk<F, V, kMats, kTiled> b0, b1, b2;
   // A split-K warp's first weights load before it waits for the kernel before (a down launched
   // during its gate_up: expert_major_early_down), their activations after.
-  Chunk<F, V, kMats, kTiled> b0, b1, b2;
   if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled, !kSplit>(rows, first, b0);
   if constexpr (kAhead == 2) {
     if (mine > 1) {

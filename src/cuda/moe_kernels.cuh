@@ -572,9 +572,11 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
 // wait for gate_up's grid to finish (griddepcontrol.wait, in mma_rows) before they read its
 // activations. Only where gate_up is split-K and does not select (its items and routes are the
 // route kernel's, read before the wait), the down is split-K or the fused down and blend (the
-// staged down copies its activations before its first weights), and the call has no second stream
-// (neither mixed token tiles nor the shared expert apart, whose join would meet a programmatic
-// edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default, -1).
+// kernels whose K loop holds the wait and whose gate_up allows the launch), and the call has no
+// second stream (neither mixed token tiles nor the shared expert apart, whose join would meet a
+// programmatic edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default,
+// -1). Measured on an H100 against off (docs/PERF.md v3.35): 1.03-1.07x per call at the Qwen
+// shapes' N = 1-8, 1.01-1.02x at DeepSeek-V3 N = 1-2 with its shared expert in the call.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
   return mode != 0 && !c.staged_gate_up && !c.gate_up_selects && !c.staged_down && !c.mixed && !c.shared_apart;
 }
