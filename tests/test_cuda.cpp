@@ -475,9 +475,11 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
 // weights before they wait for gate_up's grid. On against off and the reference, in NVFP4, FP8
 // (block-128) and BF16, on a ragged DeepSeek-V3 shape (ungated shared expert, routed scaling, the
 // split-K down of 16 rows), an aligned Qwen3-Next one (gated shared expert, the split-K down of
-// row pairs) and a Qwen3-MoE one (no shared expert), at N = 2 and 8 (the fused down and blend),
-// 24 (a down kernel, then the blend) and 130 (four token tiles). Each early call also runs in a
-// graph replay with other tokens: the programmatic edge is captured.
+// row pairs), a Qwen3-MoE one (no shared expert) and one whose down stages in slices (I = 3200),
+// at N = 2 and 8 (the fused down and blend), 24 (a down kernel, then the blend), 48 (two token
+// tiles where the staged kernels run) and 130 (four), with the staged kernels forbidden (split-K)
+// and forced. Each early call also runs in a graph replay with other tokens: the programmatic edge
+// is captured.
 TEST_F(Cuda, EarlyDownMatchesTheReference) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -486,49 +488,60 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
                                                             .top_k = 4, .shared_intermediate = 128});
   const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
                                                            .top_k = 4});
-  int checked = 0, fused = 0, split = 0;
-  for (const LayerDesc& d : {ragged, gated, plain}) {
+  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
+                                                               .top_k = 2});
+  int checked = 0, fused = 0, split = 0, staged = 0, sliced = 0;
+  for (const LayerDesc& d : {ragged, gated, plain, long_down}) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 19));
-      for (const int64_t n : {2, 8, 24, 130}) {
+      for (const int64_t n : {2, 8, 24, 48, 130}) {
         const int64_t h = d.hidden;
         const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
         std::vector<float> expected(tokens.size());
         ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
-        std::vector<float> after;
-        for (const bool early : {false, true}) {
-          CudaMoeOptions options;
-          options.path = PathKind::kExpertMajor;
-          options.staged = false;  // split-K gate_up at every N
-          options.shared_apart = false;
-          options.early_down = early;
-          const std::string what =
-              fmt::format("{}, {}, n {}, early {}", describe_shape(d), quant_spec_name(spec), n, early ? "on" : "off");
-          std::unique_ptr<CudaMoe> moe;
-          std::string config;
-          std::vector<float> got;
-          ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "down launched during gate_up", early, what, x, out,
-                                                 expected, moe, config, got));
-          if (!early) {
-            after = got;
-            continue;
+        for (const bool staging : {false, true}) {
+          std::vector<float> after;
+          for (const bool early : {false, true}) {
+            CudaMoeOptions options;
+            options.path = PathKind::kExpertMajor;
+            options.staged = staging;
+            options.shared_apart = false;
+            options.early_down = early;
+            const std::string what = fmt::format("{}, {}, n {}, staged {}, early {}", describe_shape(d),
+                                                 quant_spec_name(spec), n, staging ? "on" : "off", early ? "on" : "off");
+            std::unique_ptr<CudaMoe> moe;
+            std::string config;
+            std::vector<float> got;
+            ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "down launched during gate_up", early, what, x,
+                                                   out, expected, moe, config, got));
+            if (!early) {
+              after = got;
+              continue;
+            }
+            // The same kernels and sums: only when the down starts differs.
+            EXPECT_EQ(got, after) << what;
+            fused += config.find("+ blend") != std::string::npos ? 1 : 0;
+            split += config.find("down split-K;") != std::string::npos ||
+                             config.find("down split-K (row pairs)") != std::string::npos
+                         ? 1
+                         : 0;
+            staged += config.find("down staged") != std::string::npos ? 1 : 0;
+            sliced += config.find("down staged+slices") != std::string::npos ? 1 : 0;
+            ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
+            ++checked;
           }
-          // The same kernels and sums: only when the down starts differs.
-          EXPECT_EQ(got, after) << what;
-          fused += config.find("+ blend") != std::string::npos ? 1 : 0;
-          split += config.find("+ blend") == std::string::npos ? 1 : 0;
-          ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
-          ++checked;
         }
       }
     }
   }
-  EXPECT_EQ(checked, 3 * 3 * 4);  // shapes x formats x N
+  EXPECT_EQ(checked, 4 * 3 * 5 * 2);  // shapes x formats x N x staging
   EXPECT_GT(fused, 0) << "no early call ran the fused down and blend";
   EXPECT_GT(split, 0) << "no early call ran a split-K down kernel";
+  EXPECT_GT(staged, 0) << "no early call ran a staged down";
+  EXPECT_GT(sliced, 0) << "no early call ran a down staged in slices";
 }
 
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
@@ -1560,8 +1573,8 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   EXPECT_EQ(apart(qwen, 64), "-");
 }
 
-// Which calls launch their down during gate_up (expert_major_early_down): split-K gate_up that does
-// not select, a split-K or fused down, one stream; never where the mode forbids it.
+// Which calls launch their down during gate_up (expert_major_early_down): a gate_up that does not
+// select, one stream; never where the mode forbids it.
 TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   const auto early = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).early_down; };
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
@@ -1575,7 +1588,8 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   EXPECT_TRUE(early(qwen, 8));
   const cuda::ExpertMajorLaunch q16 = cuda::expert_major_launch(qwen, 16);
   ASSERT_TRUE(q16.staged_gate_up);
-  EXPECT_FALSE(q16.early_down);  // staged gate_up
+  EXPECT_TRUE(q16.early_down);  // staged gate_up
+  EXPECT_TRUE(early(qwen, 256));  // two token tiles, the gate_up in slices
   cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
   ds.router_outputs = 256, ds.sm_count = 132;
@@ -1587,7 +1601,9 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   ASSERT_TRUE(d1.down_pairs && !d1.staged_down);
   EXPECT_TRUE(d1.early_down);  // split-K row pairs
   ASSERT_TRUE(cuda::expert_major_launch(ds, 4).staged_down);
-  EXPECT_FALSE(early(ds, 4));  // the staged down copies activations before its first weights
+  EXPECT_TRUE(early(ds, 4));  // the staged down
+  ASSERT_TRUE(cuda::expert_major_launch(ds, 64).mixed);
+  EXPECT_FALSE(early(ds, 64));  // the hot experts' chain on a second stream
   ds.early_down = 0;
   EXPECT_FALSE(early(ds, 1));
   qwen.early_down = 1;  // forced: still only where the kernels allow it

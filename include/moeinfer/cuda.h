@@ -55,8 +55,8 @@ struct CudaMoeOptions {
   // (cuda::expert_major_shared_apart). true is refused at create for a layer
   // without a shared expert.
   std::optional<bool> shared_apart = std::nullopt;
-  // Expert-major calls whose gate_up is split-K and whose down is split-K or the fused down and
-  // blend, on one stream: true or nullopt launches the down while gate_up's last blocks still run
+  // Expert-major calls whose gate_up does not select, on one stream: true or nullopt launches the
+  // down while gate_up's last blocks still run
   // (programmatic dependent launch), its blocks loading their first weights before they wait for
   // gate_up's activations (cuda::expert_major_early_down); false launches it after gate_up ends.
   std::optional<bool> early_down = std::nullopt;

@@ -333,9 +333,9 @@ __device__ __forceinline__ void load_chunk_b(const LaneRows<kMats, kTiles>& rows
 }
 
 // Programmatic dependent launch (expert_major_early_down). A gate_up block lets the kernel after it
-// launch (once every block of its grid has, or has exited); a split-K block waits there until the
-// kernel before it has finished and its writes are visible. Both do nothing in a kernel launched
-// the ordinary way, or followed by one.
+// launch (once every block of its grid has, or has exited); a block in mma_rows' or
+// mma_rows_sliced's loop waits there until the kernel before it has finished and its writes are
+// visible. Both do nothing in a kernel launched the ordinary way, or followed by one.
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
@@ -462,6 +462,7 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   };
   Chunk<F, V, kMats, kTiled> even, odd;
   if (chunks > 0) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, 0, even);
+  wait_for_prior_grid();  // the first weights before, the activations after (expert_major_early_down)
   stage(0);
   if (slices > 1) {
     stage(1);
@@ -538,8 +539,9 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
   // Named buffers, each loop step a fixed rotation of them (an array indexed in an unrolled loop
   // compiled to other code and registers at one chunk ahead).
   Chunk<F, V, kMats, kTiled> b0, b1, b2;
-  // A split-K warp's first weights load before it waits for the kernel before (a down launched
-  // during its gate_up: expert_major_early_down), their activations after.
+  // A warp's first weights load before it waits for the kernel before (a down launched during its
+  // gate_up: expert_major_early_down); the activations after: split-K, their registers; staged,
+  // the block's copy into shared memory.
   if (mine > 0) load_chunk<F, V, kMats, kTiles, kAligned16, kStaged, kSmemScales, false, kTiled, !kSplit>(rows, first, b0);
   if constexpr (kAhead == 2) {
     if (mine > 1) {
@@ -554,6 +556,7 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
     }
   }
   if constexpr (kStaged) {
+    wait_for_prior_grid();
     if (stage()) {
       asm volatile("cp.async.wait_all;" ::: "memory");
       __syncthreads();
@@ -1319,6 +1322,7 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1, int kAhead = 1>
 __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTiles, kPasses, kAhead))
     moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
+  if constexpr (kGateUp) allow_dependent_launch();
   uint8_t* const staged = staged_smem;
   int4 item;
   if (!read_item(ws, item)) return;

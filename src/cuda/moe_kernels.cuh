@@ -570,15 +570,15 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
 // (griddepcontrol.launch_dependents), so the down's blocks take the SMs that gate_up's last blocks
 // leave, read their items and table entries and load their first chunks of weights, and only then
 // wait for gate_up's grid to finish (griddepcontrol.wait, in mma_rows) before they read its
-// activations. Only where gate_up is split-K and does not select (its items and routes are the
-// route kernel's, read before the wait), the down is split-K or the fused down and blend (the
-// kernels whose K loop holds the wait and whose gate_up allows the launch), and the call has no
-// second stream (neither mixed token tiles nor the shared expert apart, whose join would meet a
+// activations (split-K) or copy them into shared memory (staged). Only where gate_up does not
+// select (its items and routes are then the route kernel's, read before the wait) and the call has
+// no second stream (neither mixed token tiles nor the shared expert apart, whose join would meet a
 // programmatic edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default,
-// -1). Measured on an H100 against off (docs/PERF.md v3.35): 1.03-1.07x per call at the Qwen
-// shapes' N = 1-8, 1.01-1.02x at DeepSeek-V3 N = 1-2 with its shared expert in the call.
+// -1). Measured on an H100 against off (docs/PERF.md v3.35), where the down was split-K or fused
+// with the blend: 1.03-1.07x per call at the Qwen shapes' N = 1-8, 1.01-1.02x at DeepSeek-V3
+// N = 1-2 with its shared expert in the call. The staged down early: not yet measured.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
-  return mode != 0 && !c.staged_gate_up && !c.gate_up_selects && !c.staged_down && !c.mixed && !c.shared_apart;
+  return mode != 0 && !c.gate_up_selects && !c.mixed && !c.shared_apart;
 }
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
