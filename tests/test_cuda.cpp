@@ -338,6 +338,18 @@ void expect_captured_replays_match(const CudaMoe& moe, const Layer& layer, Devic
   expect_replays_match(g, moe, layer, x, out, n, 1, 2);
 }
 
+// How many of g's edges let a kernel start before the one it follows has finished (a programmatic
+// dependent launch, captured).
+size_t programmatic_edges(const CapturedGraph& g) {
+  size_t count = 0;
+  EXPECT_EQ(cudaGraphGetEdges(g.graph, nullptr, nullptr, nullptr, &count), cudaSuccess);
+  std::vector<cudaGraphNode_t> from(count), to(count);
+  std::vector<cudaGraphEdgeData> data(count);
+  EXPECT_EQ(cudaGraphGetEdges(g.graph, from.data(), to.data(), data.data(), &count), cudaSuccess);
+  return static_cast<size_t>(std::count_if(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(count),
+                                           [](const cudaGraphEdgeData& e) { return e.type == cudaGraphDependencyTypeProgrammatic; }));
+}
+
 // One call of a test that turns a launch option on and off: the layer made with `options` for n
 // tokens (into `moe`), its config (into `config`) naming `marker` exactly where `marked`, and its
 // output (into `got`, from poisoned buffers) within 1e-2 of the reference's `expected`.
@@ -478,8 +490,8 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
 // row pairs), a Qwen3-MoE one (no shared expert) and one whose down stages in slices (I = 3200),
 // at N = 2 and 8 (the fused down and blend), 24 (a down kernel, then the blend), 48 (two token
 // tiles where the staged kernels run) and 130 (four), with the staged kernels forbidden (split-K)
-// and forced. Each early call also runs in a graph replay with other tokens: the programmatic edge
-// is captured.
+// and forced. Each call is also captured: its graph has one programmatic edge where the down is
+// early and none where not, and each early graph's replays with other tokens match.
 TEST_F(Cuda, EarlyDownMatchesTheReference) {
   const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
                                                               .top_k = 4, .shared_intermediate = 144,
@@ -517,6 +529,11 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
             std::vector<float> got;
             ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "down launched during gate_up", early, what, x,
                                                    out, expected, moe, config, got));
+            // The call captured: a programmatic edge where (and only where) the down is early.
+            CapturedGraph g;
+            ASSERT_NO_FATAL_FAILURE(
+                capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+            EXPECT_EQ(programmatic_edges(g), early ? 1u : 0u) << what;
             if (!early) {
               after = got;
               continue;
@@ -530,7 +547,7 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
                          : 0;
             staged += config.find("down staged") != std::string::npos ? 1 : 0;
             sliced += config.find("down staged+slices") != std::string::npos ? 1 : 0;
-            ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
+            ASSERT_NO_FATAL_FAILURE(expect_replays_match(g, *moe, layer, x, out, n, 1, 2)) << what;
             ++checked;
           }
         }

@@ -1411,18 +1411,16 @@ cudaError_t launch_split(bool gate_up, bool pairs, bool early_down, const DevLay
 }
 
 // The staged down of kTiles token tiles whose blocks make `passes` (1, 2 or 4) passes of 64 rows
-// over one staging (neither sliced nor copying scale codes), its NVFP4 loops kAhead chunks ahead.
+// over one staging (neither sliced nor copying scale codes), its NVFP4 loops kAhead chunks ahead;
+// launched early where `early` (ExpertMajorLaunch::early_down).
 template <int kTiles, int kAhead>
-void launch_staged_down(int passes, int rows, const DevLayer& L, int n, const DevWorkspace& ws, int max_items, int smem,
-                        cudaStream_t stream) {
+cudaError_t launch_staged_down(int passes, bool early, int rows, const DevLayer& L, int n, const DevWorkspace& ws,
+                               int max_items, int smem, cudaStream_t stream) {
   const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
-  if (passes == 4) {
-    moe_expert_staged<false, false, false, kTiles, 4, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-  } else if (passes == 2) {
-    moe_expert_staged<false, false, false, kTiles, 2, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-  } else {
-    moe_expert_staged<false, false, false, kTiles, 1, kAhead><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-  }
+  const dim3 block(kWarps * kWarp);
+  if (passes == 4) return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 4, kAhead>, grid, block, smem, stream, L, n, ws);
+  if (passes == 2) return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 2, kAhead>, grid, block, smem, stream, L, n, ws);
+  return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 1, kAhead>, grid, block, smem, stream, L, n, ws);
 }
 
 // One GEMM (gate_up or down) of a call: the staged kernel where `call` says so, else the split-K
@@ -1440,30 +1438,25 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const int smem =
         expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles, sliced);
     const auto down = [&]<int kTiles>() {
-      if (call.down_ahead == 2) {
-        launch_staged_down<kTiles, 2>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
-      } else {
-        launch_staged_down<kTiles, 1>(call.down_passes, rows, L, n, ws, max_items, smem, stream);
-      }
+      return call.down_ahead == 2
+                 ? launch_staged_down<kTiles, 2>(call.down_passes, call.early_down, rows, L, n, ws, max_items, smem, stream)
+                 : launch_staged_down<kTiles, 1>(call.down_passes, call.early_down, rows, L, n, ws, max_items, smem, stream);
     };
-    if (tiles == 2) {
-      if (gate_up) {  // always in slices (ExpertMajorLaunch::gate_up_sliced)
-        moe_expert_staged<true, false, true, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-      } else {
-        down.template operator()<2>();
-      }
-    } else if (gate_up && call.gate_up_sliced) {
-      moe_expert_staged<true, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (gate_up && call.gate_up_ahead == 2) {
-      moe_expert_staged<true, false, false, 1, 1, 2><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (gate_up) {
-      moe_expert_staged<true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (call.down_sliced) {
-      moe_expert_staged<false, false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
-    } else if (call.down_copies_scales) {
-      moe_expert_staged<false, true><<<grid, kWarps * kWarp, smem, stream>>>(L, n, ws);
+    const dim3 block(kWarps * kWarp);
+    if (!gate_up) {
+      if (tiles == 2) return down.template operator()<2>();
+      if (call.down_sliced) return launch_kernel(call.early_down, moe_expert_staged<false, false, true>, grid, block, smem, stream, L, n, ws);
+      if (call.down_copies_scales) return launch_kernel(call.early_down, moe_expert_staged<false, true>, grid, block, smem, stream, L, n, ws);
+      return down.template operator()<1>();
+    }
+    if (tiles == 2) {  // always in slices (ExpertMajorLaunch::gate_up_sliced)
+      moe_expert_staged<true, false, true, 2><<<grid, block, smem, stream>>>(L, n, ws);
+    } else if (call.gate_up_sliced) {
+      moe_expert_staged<true, false, true><<<grid, block, smem, stream>>>(L, n, ws);
+    } else if (call.gate_up_ahead == 2) {
+      moe_expert_staged<true, false, false, 1, 1, 2><<<grid, block, smem, stream>>>(L, n, ws);
     } else {
-      down.template operator()<1>();
+      moe_expert_staged<true><<<grid, block, smem, stream>>>(L, n, ws);
     }
     return cudaGetLastError();
   }
