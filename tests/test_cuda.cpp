@@ -561,6 +561,77 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
   EXPECT_GT(sliced, 0) << "no early call ran a down staged in slices";
 }
 
+// The gate_up launched during routing (cuda::expert_major_early_gate_up): its blocks wait for the
+// route kernel (or the router, where gate_up selects) before they read anything. On against off
+// and the reference, in NVFP4, FP8 (block-128) and BF16, on shapes that reach each kernel before
+// the gate_up: a Qwen3-MoE one (N = 1: the router, the gate_up selecting), a Qwen3-Next one of 256
+// experts (N = 1: the one-token route kernel), a ragged DeepSeek-V3 one (route_warps) and one of
+// 520 router outputs (the block-per-token route kernel, then the grouping kernel), at N = 1, 2, 8,
+// 24 and 48, with the staged kernels forbidden and forced. Each call is also captured: one
+// programmatic edge for the early gate_up where it is on and one for the early down where that
+// runs; each early graph's replays with other tokens match.
+TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
+  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
+                                                           .top_k = 4});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 256,
+                                                            .top_k = 8, .shared_intermediate = 128});
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc wide_router = family_layer(Family::kQwen3Moe, {.hidden = 128, .intermediate = 64, .num_experts = 520,
+                                                                 .top_k = 4});
+  int checked = 0, selecting = 0, early_downs = 0;
+  for (const LayerDesc& d : {plain, gated, ragged, wide_router}) {
+    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                 QuantSpec{WeightFormat::kBF16}}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 23));
+      for (const int64_t n : {1, 2, 8, 24, 48}) {
+        const int64_t h = d.hidden;
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 11);
+        std::vector<float> expected(tokens.size());
+        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(tokens);
+        for (const bool staging : {false, true}) {
+          std::vector<float> after;
+          for (const bool early : {false, true}) {
+            CudaMoeOptions options;
+            options.path = PathKind::kExpertMajor;
+            options.staged = staging;
+            options.shared_apart = false;
+            options.mixed_tiles = false;
+            options.early_gate_up = early;
+            const std::string what = fmt::format("{}, {}, n {}, staged {}, early {}", describe_shape(d),
+                                                 quant_spec_name(spec), n, staging ? "on" : "off", early ? "on" : "off");
+            std::unique_ptr<CudaMoe> moe;
+            std::string config;
+            std::vector<float> got;
+            ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "gate_up launched during routing", early, what, x,
+                                                   out, expected, moe, config, got));
+            const bool early_down = config.find("down launched during gate_up") != std::string::npos;
+            CapturedGraph g;
+            ASSERT_NO_FATAL_FAILURE(
+                capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+            EXPECT_EQ(programmatic_edges(g), (early ? 1u : 0u) + (early_down ? 1u : 0u)) << what << ": " << config;
+            if (!early) {
+              after = got;
+              continue;
+            }
+            EXPECT_EQ(got, after) << what;  // the same kernels and sums: only when the gate_up starts differs
+            selecting += config.find("selects") != std::string::npos ? 1 : 0;
+            early_downs += early_down ? 1 : 0;
+            ASSERT_NO_FATAL_FAILURE(expect_replays_match(g, *moe, layer, x, out, n, 1, 2)) << what;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4 * 3 * 5 * 2);  // shapes x formats x N x staging
+  EXPECT_GT(selecting, 0) << "no early call ran the gate_up that selects";
+  EXPECT_GT(early_downs, 0) << "no early call launched its down early too";
+}
+
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
 // when the next kernel starts, so a kernel that reads shared memory it never wrote reads NaN.
 TEST_F(Cuda, SharedMemoryPoisonReachesTheNextKernel) {
@@ -1626,6 +1697,33 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   qwen.early_down = 1;  // forced: still only where the kernels allow it
   EXPECT_FALSE(early(qwen, 1));
   EXPECT_TRUE(early(qwen, 2));
+}
+
+// Which calls launch their gate_up during routing (expert_major_early_gate_up): one stream (no
+// shared expert apart, no mixed token tiles); never where the mode forbids it.
+TEST(ExpertMajorSizing, EarlyGateUpOnOneStream) {
+  const auto early = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).early_gate_up; };
+  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
+  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8;
+  qwen.router_outputs = 128, qwen.sm_count = 132;
+  ASSERT_TRUE(cuda::expert_major_launch(qwen, 1).gate_up_selects);
+  EXPECT_TRUE(early(qwen, 1));  // after the router
+  EXPECT_TRUE(early(qwen, 8));
+  EXPECT_TRUE(early(qwen, 256));
+  cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
+  ds.router_outputs = 256, ds.sm_count = 132;
+  ds.routed_expert_bytes = ds.shared_expert_bytes = 24772620;
+  ASSERT_TRUE(cuda::expert_major_launch(ds, 1).shared_apart);
+  EXPECT_FALSE(early(ds, 1));  // the shared expert's chain on a second stream
+  ASSERT_TRUE(cuda::expert_major_launch(ds, 64).mixed);
+  EXPECT_FALSE(early(ds, 64));  // the hot experts' chain on a second stream
+  EXPECT_TRUE(early(ds, 16));
+  ds.shared_apart = 0;
+  EXPECT_TRUE(early(ds, 1));
+  ds.early_gate_up = 0;
+  EXPECT_FALSE(early(ds, 1));
+  EXPECT_FALSE(early(ds, 16));
 }
 
 // The shared expert apart forced on in a layer without one is refused before anything is

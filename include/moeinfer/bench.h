@@ -61,6 +61,8 @@ struct BenchConfig {
   // The shared expert in a chain of its own beside the router, forced on or off
   // (CudaMoeOptions::shared_apart).
   std::optional<bool> shared_apart;
+  // The gate_up launched during routing, forced on or off (CudaMoeOptions::early_gate_up).
+  std::optional<bool> early_gate_up;
   // The down launched during gate_up, forced on or off (CudaMoeOptions::early_down).
   std::optional<bool> early_down;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).

@@ -171,6 +171,7 @@ struct BenchOptions {
   std::string staged_ahead = "auto";
   std::string mixed_tiles = "auto";
   std::string shared_apart = "auto";
+  std::string early_gate_up = "auto";
   std::string early_down = "auto";
   std::string router_mma = "auto";
   std::string weight_tiles = "auto";
@@ -265,6 +266,7 @@ int bench_command(const BenchOptions& opt) {
                            cuda_count("--staged-ahead", opt.staged_ahead, {1, 2}, cfg.backend, cfg.staged_ahead),
                            cuda_switch("--mixed-tiles", opt.mixed_tiles, cfg.backend, cfg.mixed_tiles),
                            cuda_switch("--shared-apart", opt.shared_apart, cfg.backend, cfg.shared_apart),
+                           cuda_switch("--early-gate-up", opt.early_gate_up, cfg.backend, cfg.early_gate_up),
                            cuda_switch("--early-down", opt.early_down, cfg.backend, cfg.early_down),
                            cuda_switch("--router-mma", opt.router_mma, cfg.backend, cfg.router_mma),
                            cuda_switch("--weight-tiles", opt.weight_tiles, cfg.backend, cfg.weight_tiles)}) {
@@ -587,10 +589,15 @@ int main(int argc, char** argv) {
                         "the router and the selection, in calls of up to 8 tokens whose shared expert takes 8 MB or "
                         "more unless the gate_up kernel selects (auto), or forced on or off")
       ->capture_default_str();
+  bench_cmd->add_option("--early-gate-up", bench.early_gate_up,
+                        "CUDA expert-major calls on one stream: the gate_up launched while the route kernel (or the "
+                        "router, where gate_up selects) runs, its blocks waiting for that kernel's end (auto and on), "
+                        "or after it ends (off)")
+      ->capture_default_str();
   bench_cmd->add_option("--early-down", bench.early_down,
-                        "CUDA expert-major calls on one stream whose split-K gate_up does not select and whose down is "
-                        "split-K or fused with the blend: the down launched while gate_up's last blocks run, loading "
-                        "its first weights before it waits (auto and on), or after gate_up ends (off)")
+                        "CUDA expert-major calls on one stream whose gate_up does not select: the down launched while "
+                        "gate_up's last blocks run, loading its first weights before it waits (auto and on), or after "
+                        "gate_up ends (off)")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "

@@ -273,7 +273,8 @@ std::string CudaMoe::call_config(int64_t n) const {
       call.shared_apart ? fmt::format("; shared expert beside the router ({})",
                                       kernels(cuda::expert_major_shared_launch(L, call, static_cast<int>(n))))
                         : std::string();
-  const std::string early = call.early_down ? "; down launched during gate_up" : "";
+  const std::string early = fmt::format("{}{}", call.early_gate_up ? "; gate_up launched during routing" : "",
+                                        call.early_down ? "; down launched during gate_up" : "");
   return fmt::format("{}{}{}{}; {}; {}", kernels(call), early, hot, shared, layout, router);
 }
 
@@ -440,6 +441,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};
   L.mixed_tiles = options.mixed_tiles ? static_cast<int8_t>(*options.mixed_tiles) : int8_t{-1};
   L.shared_apart = options.shared_apart ? static_cast<int8_t>(*options.shared_apart) : int8_t{-1};
+  L.early_gate_up = options.early_gate_up ? static_cast<int8_t>(*options.early_gate_up) : int8_t{-1};
   L.early_down = options.early_down ? static_cast<int8_t>(*options.early_down) : int8_t{-1};
   L.routed_expert_bytes = layer.routed_expert_bytes();
   L.shared_expert_bytes = layer.shared ? layer.shared->bytes() : 0;

@@ -332,13 +332,6 @@ __device__ __forceinline__ void load_chunk_b(const LaneRows<kMats, kTiles>& rows
   load_b<V>(rows.b[0], k0 + threadIdx.x % 4 * V, ch.b0);
 }
 
-// Programmatic dependent launch (expert_major_early_down). A gate_up block lets the kernel after it
-// launch (once every block of its grid has, or has exited); a block in mma_rows' or
-// mma_rows_sliced's loop waits there until the kernel before it has finished and its writes are
-// visible. Both do nothing in a kernel launched the ordinary way, or followed by one.
-__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // The A register of MMA step s, slot j, for one row's run: the weights of the run's columns
 // 2(2s + j) and 2(2s + j) + 1, which B's natural word 2s + j multiplies. `scale` holds the NVFP4
 // block scales (x 2^119) as bf16 pairs (s, s).
@@ -1013,7 +1006,8 @@ void with_path_or_any(int path, F&& f) {
 template <int kTiles, int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per_sm(kPath) : 0)
     moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
-  allow_dependent_launch();
+  wait_for_prior_grid();  // the route kernel's items (expert_major_early_gate_up)
+  allow_dependent_launch();  // the down (expert_major_early_down)
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
   int routes[kTiles];
@@ -1034,6 +1028,7 @@ template <int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) moe_expert_gate_up_wide(DevLayer L, int n,
                                                                                                    DevWorkspace ws) {
   __shared__ float partial[kWarps][8][kWarp];
+  wait_for_prior_grid();
   allow_dependent_launch();
   int4 item;
   if (!read_item(ws, item)) return;
@@ -1071,6 +1066,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(D
   __shared__ int ids[kWarp];
   __shared__ int4 chosen;  // this block's item, {-1, ...} past the call's items
   __shared__ int chosen_route;
+  wait_for_prior_grid();  // the router's logits (expert_major_early_gate_up)
   if (threadIdx.x < kWarp) {
     const bool publish = blockIdx.x == 0 && blockIdx.y == 0;
     route_token_warp<kPerLane>(L, 0, ws, select_keys, ids, publish);
@@ -1322,7 +1318,10 @@ __device__ __forceinline__ void staged_down_passes(const DevLayer& L, int n, con
 template <bool kGateUp, bool kScaleCopy = false, bool kSliced = false, int kTiles = 1, int kPasses = 1, int kAhead = 1>
 __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTiles, kPasses, kAhead))
     moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
-  if constexpr (kGateUp) allow_dependent_launch();
+  if constexpr (kGateUp) {
+    wait_for_prior_grid();
+    allow_dependent_launch();
+  }
   uint8_t* const staged = staged_smem;
   int4 item;
   if (!read_item(ws, item)) return;
@@ -1383,28 +1382,27 @@ cudaError_t launch_kernel(bool early, void (*kernel)(Params...), dim3 grid, dim3
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// A split-K GEMM; a down launched early where `early_down` (ExpertMajorLaunch::early_down).
+// A split-K GEMM, launched early where `early` (ExpertMajorLaunch::early_gate_up, early_down).
 template <int kTiles>
-cudaError_t launch_split(bool gate_up, bool pairs, bool early_down, const DevLayer& L, int n, const DevWorkspace& ws,
+cudaError_t launch_split(bool gate_up, bool pairs, bool early, const DevLayer& L, int n, const DevWorkspace& ws,
                          int max_items, cudaStream_t stream) {
   if (gate_up) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
-    if constexpr (kTiles == 1) {
-      with_path_or_any(L.gate_up_path, [&]<int kPath>() {
-        moe_expert_gate_up<1, kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-      });
-    } else {
-      moe_expert_gate_up<kTiles><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws);
-    }
+    if constexpr (kTiles != 1) return launch_kernel(early, moe_expert_gate_up<kTiles>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    cudaError_t err = cudaSuccess;
+    with_path_or_any(L.gate_up_path, [&]<int kPath>() {
+      err = launch_kernel(early, moe_expert_gate_up<1, kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    });
+    return err;
   } else if (kTiles == 1 && pairs) {
     const dim3 grid(L.hidden / (2 * kRows), max_items);
     cudaError_t err = cudaSuccess;
     with_path_or_any(L.down_path, [&]<int kPath>() {
-      err = launch_kernel(early_down, moe_expert_down_pairs<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+      err = launch_kernel(early, moe_expert_down_pairs<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
     });
     return err;
   } else {
-    return launch_kernel(early_down, moe_expert_down<kTiles>, dim3((L.hidden + kRows - 1) / kRows, max_items),
+    return launch_kernel(early, moe_expert_down<kTiles>, dim3((L.hidden + kRows - 1) / kRows, max_items),
                          kWarps * kWarp, 0, stream, L, n, ws);
   }
   return cudaGetLastError();
@@ -1449,34 +1447,32 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
       if (call.down_copies_scales) return launch_kernel(call.early_down, moe_expert_staged<false, true>, grid, block, smem, stream, L, n, ws);
       return down.template operator()<1>();
     }
+    const bool early = call.early_gate_up;
     if (tiles == 2) {  // always in slices (ExpertMajorLaunch::gate_up_sliced)
-      moe_expert_staged<true, false, true, 2><<<grid, block, smem, stream>>>(L, n, ws);
-    } else if (call.gate_up_sliced) {
-      moe_expert_staged<true, false, true><<<grid, block, smem, stream>>>(L, n, ws);
-    } else if (call.gate_up_ahead == 2) {
-      moe_expert_staged<true, false, false, 1, 1, 2><<<grid, block, smem, stream>>>(L, n, ws);
-    } else {
-      moe_expert_staged<true><<<grid, block, smem, stream>>>(L, n, ws);
+      return launch_kernel(early, moe_expert_staged<true, false, true, 2>, grid, block, smem, stream, L, n, ws);
     }
-    return cudaGetLastError();
+    if (call.gate_up_sliced) return launch_kernel(early, moe_expert_staged<true, false, true>, grid, block, smem, stream, L, n, ws);
+    if (call.gate_up_ahead == 2) {
+      return launch_kernel(early, moe_expert_staged<true, false, false, 1, 1, 2>, grid, block, smem, stream, L, n, ws);
+    }
+    return launch_kernel(early, moe_expert_staged<true>, grid, block, smem, stream, L, n, ws);
   }
   if (gate_up && call.gate_up_selects) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
     const size_t keys = L.n_group > 1 ? L.router_outputs * sizeof(float) : 0;  // <= 256 outputs
-    if (L.router_outputs <= 4 * kWarp) {
-      moe_expert_gate_up_select<4><<<grid, kWarps * kWarp, keys, stream>>>(L, ws);
-    } else {
-      moe_expert_gate_up_select<8><<<grid, kWarps * kWarp, keys, stream>>>(L, ws);
-    }
-    return cudaGetLastError();
+    return L.router_outputs <= 4 * kWarp
+               ? launch_kernel(call.early_gate_up, moe_expert_gate_up_select<4>, grid, kWarps * kWarp, keys, stream, L, ws)
+               : launch_kernel(call.early_gate_up, moe_expert_gate_up_select<8>, grid, kWarps * kWarp, keys, stream, L, ws);
   }
   if (gate_up && call.gate_up_wide) {  // act_stride % 32 == 0 (expert_major_gate_up_wide)
     const dim3 grid(L.act_stride / (2 * kRows), max_items);
-    with_path_or_any(L.gate_up_path,
-                     [&]<int kPath>() { moe_expert_gate_up_wide<kPath><<<grid, kWarps * kWarp, 0, stream>>>(L, n, ws); });
-    return cudaGetLastError();
+    cudaError_t err = cudaSuccess;
+    with_path_or_any(L.gate_up_path, [&]<int kPath>() {
+      err = launch_kernel(call.early_gate_up, moe_expert_gate_up_wide<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    });
+    return err;
   }
-  const bool early = !gate_up && call.early_down;
+  const bool early = gate_up ? call.early_gate_up : call.early_down;
   return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, early, L, n, ws, max_items, stream)
                              : launch_split<kMaxTiles>(gate_up, false, early, L, n, ws, max_items, stream);
 }

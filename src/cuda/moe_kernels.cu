@@ -228,6 +228,7 @@ template <int kTokens>
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLayer L, const float* x, int n,
                                                                           DevWorkspace ws) {
   __shared__ float partial[kRouterWarps][kTokens];
+  allow_dependent_launch();  // a gate_up that selects (expert_major_early_gate_up)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int t0 = blockIdx.y * kTokens;
   const int tokens = router_block_tokens<kTokens>(L, x, n, ws);
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits(DevLay
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(DevLayer L, const float* x, int n,
                                                                                DevWorkspace ws) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  allow_dependent_launch();
   const int t0 = blockIdx.y * kRouterTokens;
   const int tokens = router_block_tokens(L, x, n, ws);
   const int64_t H = L.hidden;
@@ -355,6 +357,7 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(D
 // bf16 copy of x (the parts "hi").
 template <int kTiles>
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer L, const float* x, int n, DevWorkspace ws) {
+  allow_dependent_launch();
   constexpr int kSteps = kRouterMmaCols / 32;
   constexpr int kParts = 3;
   __shared__ uint4 xs[kTiles][kSteps][kParts][kWarp];  // B fragments, one uint4 per lane
@@ -611,6 +614,7 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
 constexpr int kGroupThreads = 1024;
 __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ int counts[];
+  allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
   group_routes<kGroupThreads>(L, n, group, ws, counts);
 }
 
@@ -751,6 +755,7 @@ constexpr int kBlockSelectFromPerLane = 8;
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(DevLayer L, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];
+  allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
   __shared__ int block_ids[kWarp];
   constexpr int kPerThread = (kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp);
   route_one_token_block<kPerThread>(L, ws, route_smem, block_ids);
@@ -766,6 +771,7 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(De
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
+  allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
   __shared__ bool last;
   __shared__ int block_ids[kRouteWarps * kWarp];  // one block: every token's choices (top_k <= 32)
   const int warp = threadIdx.x / kWarp;

@@ -67,6 +67,7 @@ struct DevLayer {
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
   int8_t mixed_tiles = -1;   // hot experts' items at two token tiles (expert_major_mixed): 1 forced, 0 forbidden, -1 chosen
   int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
+  int8_t early_gate_up = -1;  // gate_up launched during routing (expert_major_early_gate_up): 1 forced, 0 forbidden, -1 chosen
   int8_t early_down = -1;    // the down launched during gate_up (expert_major_early_down): 1 forced, 0 forbidden, -1 chosen
   // Bytes of one routed expert's weights and of the shared expert's (0 without one), for the rules
   // that weigh a second stream's fixed cost against the bytes it moves sooner or reads fewer times.
@@ -541,6 +542,9 @@ struct ExpertMajorLaunch {
   int hot_down_ahead = 1;
   // The shared expert in a chain of its own, beside the router (expert_major_shared_apart).
   bool shared_apart = false;
+  // The gate_up launched while the kernel before it (route, or the router where gate_up selects)
+  // runs (expert_major_early_gate_up).
+  bool early_gate_up = false;
   // The down (or fused down and blend) launched while gate_up runs (expert_major_early_down).
   bool early_down = false;
 };
@@ -581,6 +585,18 @@ inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
   return mode != 0 && !c.gate_up_selects && !c.mixed && !c.shared_apart;
 }
 
+// Whether an expert-major call launches its gate_up while the kernel before it still runs, by
+// programmatic dependent launch: the route kernel (or the router, where gate_up selects) allows it
+// as it starts, so the gate_up's grid is launched and its first blocks resident when that kernel
+// ends; each gate_up block waits for it (griddepcontrol.wait) before it reads anything, then
+// allows the down's launch (expert_major_early_down). What overlaps is the launch and the blocks'
+// start, nothing of their loads: every gate_up block's first load is of the route kernel's items
+// (or the router's logits). Only where the call has no second stream (as early_down). `mode`
+// forbids it (0) or allows it wherever it can run (1, also by default, -1).
+inline bool expert_major_early_gate_up(int mode, const ExpertMajorLaunch& c) {
+  return mode != 0 && !c.mixed && !c.shared_apart;
+}
+
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   ExpertMajorLaunch c;
   const bool stageable = expert_major_stageable(L.staged, L.act_stride);
@@ -601,6 +617,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
   c.gate_up_selects = selects && !c.shared_apart;
   expert_major_gemm_details(L, c);
+  c.early_gate_up = expert_major_early_gate_up(L.early_gate_up, c);
   c.early_down = expert_major_early_down(L.early_down, c);
   if (c.mixed) {
     c.hot_offset = expert_major_hot_offset(routes, experts);

@@ -14,6 +14,15 @@ namespace moeinfer::cuda {
 
 inline constexpr int kWarp = 32;
 
+// Programmatic dependent launch (expert_major_early_gate_up, expert_major_early_down). A kernel
+// lets the one after it launch (once every block of its grid has, or has exited): the route
+// kernels and the routers as they start, a gate_up block once it has waited. A block waits until
+// the kernel before it has finished and its writes are visible: a gate_up as it starts, a down in
+// mma_rows' or mma_rows_sliced's loop, after its first weights. Both do nothing in a kernel
+// launched the ordinary way, or followed by one.
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
