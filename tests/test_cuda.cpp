@@ -483,113 +483,26 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
   EXPECT_GT(mixed, 0) << "no call mixed token tiles beside the shared expert's chain";
 }
 
-// The down launched during gate_up (cuda::expert_major_early_down): its blocks load their first
-// weights before they wait for gate_up's grid. On against off and the reference, in NVFP4, FP8
-// (block-128) and BF16, on a ragged DeepSeek-V3 shape (ungated shared expert, routed scaling, the
-// split-K down of 16 rows), an aligned Qwen3-Next one (gated shared expert, the split-K down of
-// row pairs), a Qwen3-MoE one (no shared expert) and one whose down stages in slices (I = 3200),
-// at N = 2 and 8 (the fused down and blend), 24 (a down kernel, then the blend), 48 (two token
-// tiles where the staged kernels run) and 130 (four), with the staged kernels forbidden (split-K)
-// and forced. Each call is also captured: its graph has one programmatic edge where the down is
-// early and none where not, and each early graph's replays with other tokens match.
-TEST_F(Cuda, EarlyDownMatchesTheReference) {
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
-                                                            .top_k = 4, .shared_intermediate = 128});
-  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
-                                                           .top_k = 4});
-  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
-                                                               .top_k = 2});
-  int checked = 0, fused = 0, split = 0, staged = 0, sliced = 0;
-  for (const LayerDesc& d : {ragged, gated, plain, long_down}) {
+// The loop of the early-launch tests: for each shape, format (NVFP4, FP8 block-128, BF16), N and
+// staging (forbidden, then forced), the call with the option `set(options, early)` off, then on;
+// the config names `marker` exactly where it is on, and the output, from poisoned buffers, is within
+// 1e-2 of the reference and, on, bit for bit the off call's (the same kernels and sums: only when a
+// kernel starts differs). Each call is also captured, its graph holding `edges(config, early)`
+// programmatic edges; each early graph's replays with other tokens match. `seen(config)` for each
+// early call. Returns the number of early calls checked.
+template <class Set, class Edges, class Seen>
+int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer_list<int64_t> ns, uint64_t seed,
+                       const std::string& marker, Set set, Edges edges, Seen seen) {
+  int checked = 0;
+  for (const LayerDesc& d : shapes) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                  QuantSpec{WeightFormat::kBF16}}) {
-      const Layer layer = take(make_synthetic_layer(d, spec, 19));
-      for (const int64_t n : {2, 8, 24, 48, 130}) {
+      const Layer layer = take(make_synthetic_layer(d, spec, seed));
+      for (const int64_t n : ns) {
         const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + seed);
         std::vector<float> expected(tokens.size());
-        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-        x.put(tokens);
-        for (const bool staging : {false, true}) {
-          std::vector<float> after;
-          for (const bool early : {false, true}) {
-            CudaMoeOptions options;
-            options.path = PathKind::kExpertMajor;
-            options.staged = staging;
-            options.shared_apart = false;
-            options.early_down = early;
-            const std::string what = fmt::format("{}, {}, n {}, staged {}, early {}", describe_shape(d),
-                                                 quant_spec_name(spec), n, staging ? "on" : "off", early ? "on" : "off");
-            std::unique_ptr<CudaMoe> moe;
-            std::string config;
-            std::vector<float> got;
-            ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "down launched during gate_up", early, what, x,
-                                                   out, expected, moe, config, got));
-            // The call captured: a programmatic edge where (and only where) the down is early.
-            CapturedGraph g;
-            ASSERT_NO_FATAL_FAILURE(
-                capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
-            EXPECT_EQ(programmatic_edges(g), early ? 1u : 0u) << what;
-            if (!early) {
-              after = got;
-              continue;
-            }
-            // The same kernels and sums: only when the down starts differs.
-            EXPECT_EQ(got, after) << what;
-            fused += config.find("+ blend") != std::string::npos ? 1 : 0;
-            split += config.find("down split-K;") != std::string::npos ||
-                             config.find("down split-K (row pairs)") != std::string::npos
-                         ? 1
-                         : 0;
-            staged += config.find("down staged") != std::string::npos ? 1 : 0;
-            sliced += config.find("down staged+slices") != std::string::npos ? 1 : 0;
-            ASSERT_NO_FATAL_FAILURE(expect_replays_match(g, *moe, layer, x, out, n, 1, 2)) << what;
-            ++checked;
-          }
-        }
-      }
-    }
-  }
-  EXPECT_EQ(checked, 4 * 3 * 5 * 2);  // shapes x formats x N x staging
-  EXPECT_GT(fused, 0) << "no early call ran the fused down and blend";
-  EXPECT_GT(split, 0) << "no early call ran a split-K down kernel";
-  EXPECT_GT(staged, 0) << "no early call ran a staged down";
-  EXPECT_GT(sliced, 0) << "no early call ran a down staged in slices";
-}
-
-// The gate_up launched during routing (cuda::expert_major_early_gate_up): its blocks wait for the
-// route kernel (or the router, where gate_up selects) before they read anything. On against off
-// and the reference, in NVFP4, FP8 (block-128) and BF16, on shapes that reach each kernel before
-// the gate_up: a Qwen3-MoE one (N = 1: the router, the gate_up selecting), a Qwen3-Next one of 256
-// experts (N = 1: the one-token route kernel), a ragged DeepSeek-V3 one (route_warps) and one of
-// 520 router outputs (the block-per-token route kernel, then the grouping kernel), at N = 1, 2, 8,
-// 24 and 48, with the staged kernels forbidden and forced. Each call is also captured: one
-// programmatic edge for the early gate_up where it is on and one for the early down where that
-// runs; each early graph's replays with other tokens match.
-TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
-  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
-                                                           .top_k = 4});
-  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 256,
-                                                            .top_k = 8, .shared_intermediate = 128});
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc wide_router = family_layer(Family::kQwen3Moe, {.hidden = 128, .intermediate = 64, .num_experts = 520,
-                                                                 .top_k = 4});
-  int checked = 0, selecting = 0, early_downs = 0;
-  for (const LayerDesc& d : {plain, gated, ragged, wide_router}) {
-    for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
-                                 QuantSpec{WeightFormat::kBF16}}) {
-      const Layer layer = take(make_synthetic_layer(d, spec, 23));
-      for (const int64_t n : {1, 2, 8, 24, 48}) {
-        const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 11);
-        std::vector<float> expected(tokens.size());
-        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        EXPECT_TRUE(moe_forward_reference(layer, tokens, n, expected).ok());
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
         x.put(tokens);
         for (const bool staging : {false, true}) {
@@ -600,33 +513,105 @@ TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
             options.staged = staging;
             options.shared_apart = false;
             options.mixed_tiles = false;
-            options.early_gate_up = early;
+            set(options, early);
             const std::string what = fmt::format("{}, {}, n {}, staged {}, early {}", describe_shape(d),
                                                  quant_spec_name(spec), n, staging ? "on" : "off", early ? "on" : "off");
             std::unique_ptr<CudaMoe> moe;
             std::string config;
             std::vector<float> got;
-            ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "gate_up launched during routing", early, what, x,
-                                                   out, expected, moe, config, got));
-            const bool early_down = config.find("down launched during gate_up") != std::string::npos;
+            option_forward(layer, n, options, marker, early, what, x, out, expected, moe, config, got);
+            if (::testing::Test::HasFatalFailure()) return checked;
             CapturedGraph g;
-            ASSERT_NO_FATAL_FAILURE(
-                capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
-            EXPECT_EQ(programmatic_edges(g), (early ? 1u : 0u) + (early_down ? 1u : 0u)) << what << ": " << config;
+            capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); });
+            if (::testing::Test::HasFatalFailure()) return checked;
+            EXPECT_EQ(programmatic_edges(g), edges(config, early)) << what << ": " << config;
             if (!early) {
               after = got;
               continue;
             }
-            EXPECT_EQ(got, after) << what;  // the same kernels and sums: only when the gate_up starts differs
-            selecting += config.find("selects") != std::string::npos ? 1 : 0;
-            early_downs += early_down ? 1 : 0;
-            ASSERT_NO_FATAL_FAILURE(expect_replays_match(g, *moe, layer, x, out, n, 1, 2)) << what;
+            EXPECT_EQ(got, after) << what;
+            seen(config);
+            expect_replays_match(g, *moe, layer, x, out, n, 1, 2);
+            if (::testing::Test::HasFatalFailure()) return checked;
             ++checked;
           }
         }
       }
     }
   }
+  return checked;
+}
+
+// The down launched during gate_up (cuda::expert_major_early_down): its blocks load their first
+// weights before they wait for gate_up's grid. Through early_launch_cases (the gate_up launched
+// the ordinary way), on a ragged DeepSeek-V3 shape (ungated shared expert, routed scaling, the
+// split-K down of 16 rows), an aligned Qwen3-Next one (gated shared expert, the split-K down of
+// row pairs), a Qwen3-MoE one (no shared expert) and one whose down stages in slices (I = 3200),
+// at N = 2 and 8 (the fused down and blend), 24 (a down kernel, then the blend), 48 (two token
+// tiles where the staged kernels run) and 130 (four). One programmatic edge where the down is
+// early, none where not.
+TEST_F(Cuda, EarlyDownMatchesTheReference) {
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
+                                                            .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
+                                                           .top_k = 4});
+  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
+                                                               .top_k = 2});
+  int fused = 0, split = 0, staged = 0, sliced = 0;
+  const int checked = early_launch_cases(
+      {ragged, gated, plain, long_down}, {2, 8, 24, 48, 130}, 19, "down launched during gate_up",
+      [](CudaMoeOptions& options, bool early) {
+        options.early_gate_up = false;
+        options.early_down = early;
+      },
+      [](const std::string&, bool early) { return early ? 1u : 0u; },
+      [&](const std::string& config) {
+        const auto has = [&](const char* s) { return config.find(s) != std::string::npos ? 1 : 0; };
+        fused += has("+ blend");
+        split += has("down split-K;") | has("down split-K (row pairs)");
+        staged += has("down staged");
+        sliced += has("down staged+slices");
+      });
+  EXPECT_EQ(checked, 4 * 3 * 5 * 2);  // shapes x formats x N x staging
+  EXPECT_GT(fused, 0) << "no early call ran the fused down and blend";
+  EXPECT_GT(split, 0) << "no early call ran a split-K down kernel";
+  EXPECT_GT(staged, 0) << "no early call ran a staged down";
+  EXPECT_GT(sliced, 0) << "no early call ran a down staged in slices";
+}
+
+// The gate_up launched during routing (cuda::expert_major_early_gate_up): its blocks wait for the
+// route kernel (or the router, where gate_up selects) before they read anything. Through
+// early_launch_cases (the down early wherever its rule allows), on shapes that reach each kernel
+// before the gate_up: a Qwen3-MoE one (N = 1: the router, the gate_up selecting), a Qwen3-Next one
+// of 256 experts (N = 1: the one-token route kernel), a ragged DeepSeek-V3 one (the route kernel
+// of a warp per token) and one of 520 router outputs (the block-per-token route kernel, then the
+// grouping kernel), at N = 1, 2, 8, 24 and 48. One programmatic edge for the gate_up where it is
+// early, and one for the down where that is.
+TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
+  const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
+                                                           .top_k = 4});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 256,
+                                                            .top_k = 8, .shared_intermediate = 128});
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc wide_router = family_layer(Family::kQwen3Moe, {.hidden = 128, .intermediate = 64, .num_experts = 520,
+                                                                 .top_k = 4});
+  int selecting = 0, early_downs = 0;
+  const auto early_down = [](const std::string& config) {
+    return config.find("down launched during gate_up") != std::string::npos;
+  };
+  const int checked = early_launch_cases(
+      {plain, gated, ragged, wide_router}, {1, 2, 8, 24, 48}, 23, "gate_up launched during routing",
+      [](CudaMoeOptions& options, bool early) { options.early_gate_up = early; },
+      [&](const std::string& config, bool early) { return (early ? 1u : 0u) + (early_down(config) ? 1u : 0u); },
+      [&](const std::string& config) {
+        selecting += config.find("(selects)") != std::string::npos ? 1 : 0;
+        early_downs += early_down(config) ? 1 : 0;
+      });
   EXPECT_EQ(checked, 4 * 3 * 5 * 2);  // shapes x formats x N x staging
   EXPECT_GT(selecting, 0) << "no early call ran the gate_up that selects";
   EXPECT_GT(early_downs, 0) << "no early call launched its down early too";
