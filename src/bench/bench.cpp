@@ -313,7 +313,9 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         if (cfg.staged_ahead) row.config += fmt::format("; {} chunk(s) ahead forced", *cfg.staged_ahead);
         if (cfg.mixed_tiles) row.config += *cfg.mixed_tiles ? "; mixed tiles forced on" : "; mixed tiles forced off";
         if (cfg.shared_apart) row.config += *cfg.shared_apart ? "; shared apart forced on" : "; shared apart forced off";
-        if (cfg.early_gate_up) row.config += *cfg.early_gate_up ? "; early gate_up forced on" : "; early gate_up forced off";
+        if (cfg.early_gate_up) {
+          row.config += *cfg.early_gate_up ? "; early gate_up forced on" : "; early gate_up forced off";
+        }
         if (cfg.early_down) row.config += *cfg.early_down ? "; early down forced on" : "; early down forced off";
         if (cfg.router_mma) row.config += *cfg.router_mma ? "; router mma forced on" : "; router mma forced off";
         if (cfg.weight_tiles) row.config += *cfg.weight_tiles ? "; weight tiles forced on" : "; weight tiles forced off";

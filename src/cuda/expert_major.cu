@@ -1388,7 +1388,9 @@ cudaError_t launch_split(bool gate_up, bool pairs, bool early, const DevLayer& L
                          int max_items, cudaStream_t stream) {
   if (gate_up) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
-    if constexpr (kTiles != 1) return launch_kernel(early, moe_expert_gate_up<kTiles>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    if constexpr (kTiles != 1) {
+      return launch_kernel(early, moe_expert_gate_up<kTiles>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+    }
     cudaError_t err = cudaSuccess;
     with_path_or_any(L.gate_up_path, [&]<int kPath>() {
       err = launch_kernel(early, moe_expert_gate_up<1, kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
@@ -1415,10 +1417,12 @@ template <int kTiles, int kAhead>
 cudaError_t launch_staged_down(int passes, bool early, int rows, const DevLayer& L, int n, const DevWorkspace& ws,
                                int max_items, int smem, cudaStream_t stream) {
   const dim3 grid((rows + passes * kExpertMajorStagedRows - 1) / (passes * kExpertMajorStagedRows), max_items);
-  const dim3 block(kWarps * kWarp);
-  if (passes == 4) return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 4, kAhead>, grid, block, smem, stream, L, n, ws);
-  if (passes == 2) return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 2, kAhead>, grid, block, smem, stream, L, n, ws);
-  return launch_kernel(early, moe_expert_staged<false, false, false, kTiles, 1, kAhead>, grid, block, smem, stream, L, n, ws);
+  const auto launch = [&](auto kernel) {
+    return launch_kernel(early, kernel, grid, kWarps * kWarp, smem, stream, L, n, ws);
+  };
+  if (passes == 4) return launch(moe_expert_staged<false, false, false, kTiles, 4, kAhead>);
+  if (passes == 2) return launch(moe_expert_staged<false, false, false, kTiles, 2, kAhead>);
+  return launch(moe_expert_staged<false, false, false, kTiles, 1, kAhead>);
 }
 
 // One GEMM (gate_up or down) of a call: the staged kernel where `call` says so, else the split-K
@@ -1435,27 +1439,25 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Room for the down's scale codes only where it copies them.
     const int smem =
         expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles, sliced);
+    const bool early = gate_up ? call.early_gate_up : call.early_down;
+    const auto launch = [&](auto kernel) {
+    return launch_kernel(early, kernel, grid, kWarps * kWarp, smem, stream, L, n, ws);
+  };
     const auto down = [&]<int kTiles>() {
       return call.down_ahead == 2
-                 ? launch_staged_down<kTiles, 2>(call.down_passes, call.early_down, rows, L, n, ws, max_items, smem, stream)
-                 : launch_staged_down<kTiles, 1>(call.down_passes, call.early_down, rows, L, n, ws, max_items, smem, stream);
+                 ? launch_staged_down<kTiles, 2>(call.down_passes, early, rows, L, n, ws, max_items, smem, stream)
+                 : launch_staged_down<kTiles, 1>(call.down_passes, early, rows, L, n, ws, max_items, smem, stream);
     };
-    const dim3 block(kWarps * kWarp);
     if (!gate_up) {
       if (tiles == 2) return down.template operator()<2>();
-      if (call.down_sliced) return launch_kernel(call.early_down, moe_expert_staged<false, false, true>, grid, block, smem, stream, L, n, ws);
-      if (call.down_copies_scales) return launch_kernel(call.early_down, moe_expert_staged<false, true>, grid, block, smem, stream, L, n, ws);
+      if (call.down_sliced) return launch(moe_expert_staged<false, false, true>);
+      if (call.down_copies_scales) return launch(moe_expert_staged<false, true>);
       return down.template operator()<1>();
     }
-    const bool early = call.early_gate_up;
-    if (tiles == 2) {  // always in slices (ExpertMajorLaunch::gate_up_sliced)
-      return launch_kernel(early, moe_expert_staged<true, false, true, 2>, grid, block, smem, stream, L, n, ws);
-    }
-    if (call.gate_up_sliced) return launch_kernel(early, moe_expert_staged<true, false, true>, grid, block, smem, stream, L, n, ws);
-    if (call.gate_up_ahead == 2) {
-      return launch_kernel(early, moe_expert_staged<true, false, false, 1, 1, 2>, grid, block, smem, stream, L, n, ws);
-    }
-    return launch_kernel(early, moe_expert_staged<true>, grid, block, smem, stream, L, n, ws);
+    if (tiles == 2) return launch(moe_expert_staged<true, false, true, 2>);  // always in slices (gate_up_sliced)
+    if (call.gate_up_sliced) return launch(moe_expert_staged<true, false, true>);
+    if (call.gate_up_ahead == 2) return launch(moe_expert_staged<true, false, false, 1, 1, 2>);
+    return launch(moe_expert_staged<true>);
   }
   if (gate_up && call.gate_up_selects) {
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
