@@ -504,8 +504,8 @@ int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer
         std::vector<float> expected(tokens.size());
         EXPECT_TRUE(moe_forward_reference(layer, tokens, n, expected).ok());
         DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-        x.put(tokens);
         for (const bool staging : {false, true}) {
+          x.put(tokens);  // again: the replays below put other tokens there
           std::vector<float> after;
           for (const bool early : {false, true}) {
             CudaMoeOptions options;
@@ -1684,8 +1684,9 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   EXPECT_TRUE(early(qwen, 2));
 }
 
-// Which calls launch their gate_up during routing (expert_major_early_gate_up): one stream (no
-// shared expert apart, no mixed token tiles); never where the mode forbids it.
+// Which calls launch their gate_up during routing (expert_major_early_gate_up): by default calls of
+// one token, forced every call; in both only on one stream (no shared expert apart, no mixed token
+// tiles); never where the mode forbids it.
 TEST(ExpertMajorSizing, EarlyGateUpOnOneStream) {
   const auto early = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).early_gate_up; };
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
@@ -1693,8 +1694,8 @@ TEST(ExpertMajorSizing, EarlyGateUpOnOneStream) {
   qwen.router_outputs = 128, qwen.sm_count = 132;
   ASSERT_TRUE(cuda::expert_major_launch(qwen, 1).gate_up_selects);
   EXPECT_TRUE(early(qwen, 1));  // after the router
-  EXPECT_TRUE(early(qwen, 8));
-  EXPECT_TRUE(early(qwen, 256));
+  EXPECT_FALSE(early(qwen, 2));  // by default one-token calls only
+  EXPECT_FALSE(early(qwen, 256));
   cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
   ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
   ds.router_outputs = 256, ds.sm_count = 132;
@@ -1702,13 +1703,18 @@ TEST(ExpertMajorSizing, EarlyGateUpOnOneStream) {
   ASSERT_TRUE(cuda::expert_major_launch(ds, 1).shared_apart);
   EXPECT_FALSE(early(ds, 1));  // the shared expert's chain on a second stream
   ASSERT_TRUE(cuda::expert_major_launch(ds, 64).mixed);
+  ds.early_gate_up = 1;  // forced: every call on one stream
   EXPECT_FALSE(early(ds, 64));  // the hot experts' chain on a second stream
   EXPECT_TRUE(early(ds, 16));
+  EXPECT_FALSE(early(ds, 1));
   ds.shared_apart = 0;
   EXPECT_TRUE(early(ds, 1));
   ds.early_gate_up = 0;
   EXPECT_FALSE(early(ds, 1));
   EXPECT_FALSE(early(ds, 16));
+  ds.early_gate_up = -1;
+  EXPECT_TRUE(early(ds, 1));
+  EXPECT_FALSE(early(ds, 2));
 }
 
 // The shared expert apart forced on in a layer without one is refused before anything is

@@ -55,10 +55,10 @@ struct CudaMoeOptions {
   // (cuda::expert_major_shared_apart). true is refused at create for a layer
   // without a shared expert.
   std::optional<bool> shared_apart = std::nullopt;
-  // Expert-major calls on one stream: true or nullopt launches the gate_up while the route kernel
-  // (or the router, where gate_up selects) still runs (programmatic dependent launch), its blocks
-  // waiting for that kernel's end before they read anything (cuda::expert_major_early_gate_up);
-  // false launches it after that kernel ends.
+  // Expert-major calls on one stream: true launches the gate_up while the route kernel (or the
+  // router, where gate_up selects) still runs (programmatic dependent launch), its blocks waiting
+  // for that kernel's end before they read anything (cuda::expert_major_early_gate_up); nullopt
+  // does so in calls of one token only; false launches it after that kernel ends.
   std::optional<bool> early_gate_up = std::nullopt;
   // Expert-major calls whose gate_up does not select, on one stream: true or nullopt launches the
   // down while gate_up's last blocks still run

@@ -591,8 +591,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--early-gate-up", bench.early_gate_up,
                         "CUDA expert-major calls on one stream: the gate_up launched while the route kernel (or the "
-                        "router, where gate_up selects) runs, its blocks waiting for that kernel's end (auto and on), "
-                        "or after it ends (off)")
+                        "router, where gate_up selects) runs, its blocks waiting for that kernel's end, in calls of "
+                        "one token (auto) or in all (on), or after that kernel ends (off)")
       ->capture_default_str();
   bench_cmd->add_option("--early-down", bench.early_down,
                         "CUDA expert-major calls on one stream whose gate_up does not select: the down launched while "

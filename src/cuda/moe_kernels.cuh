@@ -578,9 +578,9 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
 // select (its items and routes are then the route kernel's, read before the wait) and the call has
 // no second stream (neither mixed token tiles nor the shared expert apart, whose join would meet a
 // programmatic edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default,
-// -1). Measured on an H100 against off (docs/PERF.md v3.35), where the down was split-K or fused
-// with the blend: 1.03-1.07x per call at the Qwen shapes' N = 1-8, 1.01-1.02x at DeepSeek-V3
-// N = 1-2 with its shared expert in the call. The staged down early: not yet measured.
+// -1). Measured on an H100 against off (docs/PERF.md v3.35, v3.36): 1.03-1.08x per call at the
+// Qwen shapes' N = 1-8 (split-K or fused down and blend), 1.01-1.02x at DeepSeek-V3 N = 1-2 with
+// its shared expert in the call; the staged down (N = 16-256) 1.002-1.007x.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
   return mode != 0 && !c.gate_up_selects && !c.mixed && !c.shared_apart;
 }
@@ -592,9 +592,12 @@ inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
 // allows the down's launch (expert_major_early_down). What overlaps is the launch and the blocks'
 // start, nothing of their loads: every gate_up block's first load is of the route kernel's items
 // (or the router's logits). Only where the call has no second stream (as early_down). `mode`
-// forbids it (0) or allows it wherever it can run (1, also by default, -1).
-inline bool expert_major_early_gate_up(int mode, const ExpertMajorLaunch& c) {
-  return mode != 0 && !c.mixed && !c.shared_apart;
+// forbids it (0), allows it wherever it can run (1), or by default (-1) in calls of one token.
+// Measured on an H100 against off, the down early in both (docs/PERF.md v3.36): 1.02x per call at
+// the Qwen shapes' N = 1 (23.5 against 24.0 us at qwen3-next), 0.97-0.98x at N = 2 and 0.97-0.99x
+// at N = 16-256; why it loses there was not measured.
+inline bool expert_major_early_gate_up(int mode, int n, const ExpertMajorLaunch& c) {
+  return (mode == 1 || (mode == -1 && n == 1)) && !c.mixed && !c.shared_apart;
 }
 
 inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
@@ -617,7 +620,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
   c.gate_up_selects = selects && !c.shared_apart;
   expert_major_gemm_details(L, c);
-  c.early_gate_up = expert_major_early_gate_up(L.early_gate_up, c);
+  c.early_gate_up = expert_major_early_gate_up(L.early_gate_up, n, c);
   c.early_down = expert_major_early_down(L.early_down, c);
   if (c.mixed) {
     c.hot_offset = expert_major_hot_offset(routes, experts);
