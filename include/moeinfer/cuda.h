@@ -61,9 +61,9 @@ struct CudaMoeOptions {
   // does so in calls of one token only; false launches it after that kernel ends.
   std::optional<bool> early_gate_up = std::nullopt;
   // Expert-major calls whose gate_up does not select, on one stream: true or nullopt launches the
-  // down while gate_up's last blocks still run
-  // (programmatic dependent launch), its blocks loading their first weights before they wait for
-  // gate_up's activations (cuda::expert_major_early_down); false launches it after gate_up ends.
+  // down while gate_up's last blocks still run (programmatic dependent launch), its blocks loading
+  // their first weights before they wait for gate_up's activations (cuda::expert_major_early_down);
+  // false launches it after gate_up ends.
   std::optional<bool> early_down = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false

@@ -308,17 +308,19 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         row.path = moe ? path_name(moe->plan().path_for(n)) : backend_name(cfg.backend);
         row.config = moe ? moe->call_config(n) : host_config;
         row.plan = plan;
-        if (cfg.staged) row.config += *cfg.staged ? "; staged kernels forced on" : "; staged kernels forced off";
+        // "; <what> forced on|off" for each switch the run pinned.
+        const auto forced = [&](const char* what, const std::optional<bool>& on) {
+          if (on) row.config += fmt::format("; {} forced {}", what, *on ? "on" : "off");
+        };
+        forced("staged kernels", cfg.staged);
         if (cfg.staged_passes) row.config += fmt::format("; {} staged pass(es) forced", *cfg.staged_passes);
         if (cfg.staged_ahead) row.config += fmt::format("; {} chunk(s) ahead forced", *cfg.staged_ahead);
-        if (cfg.mixed_tiles) row.config += *cfg.mixed_tiles ? "; mixed tiles forced on" : "; mixed tiles forced off";
-        if (cfg.shared_apart) row.config += *cfg.shared_apart ? "; shared apart forced on" : "; shared apart forced off";
-        if (cfg.early_gate_up) {
-          row.config += *cfg.early_gate_up ? "; early gate_up forced on" : "; early gate_up forced off";
-        }
-        if (cfg.early_down) row.config += *cfg.early_down ? "; early down forced on" : "; early down forced off";
-        if (cfg.router_mma) row.config += *cfg.router_mma ? "; router mma forced on" : "; router mma forced off";
-        if (cfg.weight_tiles) row.config += *cfg.weight_tiles ? "; weight tiles forced on" : "; weight tiles forced off";
+        forced("mixed tiles", cfg.mixed_tiles);
+        forced("shared apart", cfg.shared_apart);
+        forced("early gate_up", cfg.early_gate_up);
+        forced("early down", cfg.early_down);
+        forced("router mma", cfg.router_mma);
+        forced("weight tiles", cfg.weight_tiles);
         row.time_us = time_us;
         row.distinct_experts = distinct;
         // The floor: every distinct routed expert once, the shared expert, the router, the

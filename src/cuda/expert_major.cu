@@ -1359,9 +1359,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
 
 namespace {
 
-// kernel<<<grid, block, smem, stream>>>(args...), or where `early` (a down launched during its
-// gate_up: ExpertMajorLaunch::early_down) as a programmatic dependent launch, which may start
-// while the kernel before it in the stream still runs.
+// kernel<<<grid, block, smem, stream>>>(args...), or where `early` (ExpertMajorLaunch::early_gate_up,
+// early_down) as a programmatic dependent launch, which may start while the kernel before it in the
+// stream still runs.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(bool early, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           const Args&... args) {
@@ -1407,7 +1407,6 @@ cudaError_t launch_split(bool gate_up, bool pairs, bool early, const DevLayer& L
     return launch_kernel(early, moe_expert_down<kTiles>, dim3((L.hidden + kRows - 1) / kRows, max_items),
                          kWarps * kWarp, 0, stream, L, n, ws);
   }
-  return cudaGetLastError();
 }
 
 // The staged down of kTiles token tiles whose blocks make `passes` (1, 2 or 4) passes of 64 rows
@@ -1431,6 +1430,7 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
                         cudaStream_t stream) {
   const int rows = gate_up ? L.act_stride : L.hidden, K = gate_up ? L.hidden : L.act_stride;
   const int max_items = call.max_items;
+  const bool early = gate_up ? call.early_gate_up : call.early_down;
   if (gate_up ? call.staged_gate_up : call.staged_down) {
     const dim3 grid((rows + kExpertMajorStagedRows - 1) / kExpertMajorStagedRows, max_items);
     // Two token tiles (group 16) only where the down stages whole (expert_major_stageable).
@@ -1439,10 +1439,9 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     // Room for the down's scale codes only where it copies them.
     const int smem =
         expert_major_staged_smem(K, gate_up ? 2 : 1, gate_up ? L.nvfp4 : call.down_copies_scales, tiles, sliced);
-    const bool early = gate_up ? call.early_gate_up : call.early_down;
     const auto launch = [&](auto kernel) {
-    return launch_kernel(early, kernel, grid, kWarps * kWarp, smem, stream, L, n, ws);
-  };
+      return launch_kernel(early, kernel, grid, kWarps * kWarp, smem, stream, L, n, ws);
+    };
     const auto down = [&]<int kTiles>() {
       return call.down_ahead == 2
                  ? launch_staged_down<kTiles, 2>(call.down_passes, early, rows, L, n, ws, max_items, smem, stream)
@@ -1463,18 +1462,17 @@ cudaError_t launch_gemm(bool gate_up, const DevLayer& L, int n, const DevWorkspa
     const dim3 grid((L.act_stride + kRows - 1) / kRows, max_items);
     const size_t keys = L.n_group > 1 ? L.router_outputs * sizeof(float) : 0;  // <= 256 outputs
     return L.router_outputs <= 4 * kWarp
-               ? launch_kernel(call.early_gate_up, moe_expert_gate_up_select<4>, grid, kWarps * kWarp, keys, stream, L, ws)
-               : launch_kernel(call.early_gate_up, moe_expert_gate_up_select<8>, grid, kWarps * kWarp, keys, stream, L, ws);
+               ? launch_kernel(early, moe_expert_gate_up_select<4>, grid, kWarps * kWarp, keys, stream, L, ws)
+               : launch_kernel(early, moe_expert_gate_up_select<8>, grid, kWarps * kWarp, keys, stream, L, ws);
   }
   if (gate_up && call.gate_up_wide) {  // act_stride % 32 == 0 (expert_major_gate_up_wide)
     const dim3 grid(L.act_stride / (2 * kRows), max_items);
     cudaError_t err = cudaSuccess;
     with_path_or_any(L.gate_up_path, [&]<int kPath>() {
-      err = launch_kernel(call.early_gate_up, moe_expert_gate_up_wide<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
+      err = launch_kernel(early, moe_expert_gate_up_wide<kPath>, grid, kWarps * kWarp, 0, stream, L, n, ws);
     });
     return err;
   }
-  const bool early = gate_up ? call.early_gate_up : call.early_down;
   return call.group == kTile ? launch_split<1>(gate_up, call.down_pairs, early, L, n, ws, max_items, stream)
                              : launch_split<kMaxTiles>(gate_up, false, early, L, n, ws, max_items, stream);
 }
