@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -22,6 +23,7 @@
 #include "moeinfer/ep.h"
 #include "moeinfer/presets.h"
 #include "moeinfer/reference.h"
+#include "cuda_route_select.h"
 #include "cuda_smem_poison.h"
 #include "ep_cases.h"
 #include "test_util.h"
@@ -769,6 +771,105 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
     }
   }
   EXPECT_EQ(checked, 4 * 3);
+}
+
+// The one-warp selection (cuda::route_token_warp) against the reference's, choice by choice. The
+// logits lie on a grid of 1/8 steps (and the correction biases are whole numbers), so fp32 and
+// double order the keys alike and equal logits tie exactly in both; the weights then agree to
+// fp32's rounding. Each shape's tokens:
+// - spread: 65 values over all outputs, so equal keys often straddle the k-th place;
+// - plateaus of 20 and 70 equal best keys (the lowest indices win), and a flat row with three
+//   keys above it;
+// - distinct logits in a random order.
+// Shapes: each family's routing (softmax, sigmoid with correction bias and groups, zero experts,
+// gpt-oss's logits, Llama-4's), 1 to 16 outputs per lane, full and part-full lanes, k up to 32.
+TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
+  struct Case {
+    Family family;
+    FamilyShape shape;
+    int per_lane;
+  };
+  const std::vector<Case> cases = {
+      {Family::kQwen3Next, {.num_experts = 512, .top_k = 10}, 16},
+      {Family::kQwen3Moe, {.num_experts = 128, .top_k = 8}, 4},
+      {Family::kDeepseekV3, {.num_experts = 256, .top_k = 8, .routed_scaling_factor = 2.5, .n_group = 8, .topk_group = 4}, 8},
+      {Family::kQwen3Moe, {.num_experts = 100, .top_k = 6}, 4},
+      {Family::kQwen3Next, {.num_experts = 160, .top_k = 32}, 8},
+      {Family::kLongcatFlash, {.num_experts = 64, .top_k = 6, .num_zero_experts = 32, .routed_scaling_factor = 6.0}, 4},
+      {Family::kGptOss, {.num_experts = 32, .top_k = 4}, 1},
+      {Family::kLlama4, {.num_experts = 16, .top_k = 1}, 1},
+      {Family::kMinimaxM2, {.num_experts = 64, .top_k = 8}, 2},
+  };
+  int checked = 0;
+  for (const Case& c : cases) {
+    FamilyShape shape = c.shape;
+    shape.hidden = 64;
+    shape.intermediate = 32;
+    const LayerDesc d = family_layer(c.family, shape);
+    const int outputs = d.router_outputs(), k = d.top_k;
+    std::mt19937 rng(static_cast<uint32_t>(outputs * 131 + k));
+    std::uniform_int_distribution<int> step(-32, 32);
+    std::vector<float> bias;
+    if (d.routing.correction_bias) {
+      std::uniform_int_distribution<int> whole(0, 2);
+      for (int e = 0; e < outputs; ++e) bias.push_back(static_cast<float>(whole(rng)));
+    }
+    std::vector<float> logits;
+    int n = 0;
+    const auto add_token = [&](const std::function<float(int)>& logit) {
+      for (int e = 0; e < outputs; ++e) logits.push_back(logit(e));
+      ++n;
+    };
+    for (int r = 0; r < 3; ++r) add_token([&](int) { return static_cast<float>(step(rng)) / 8.0f; });
+    for (const int plateau : {20, 70}) {
+      std::vector<int> order(static_cast<size_t>(outputs));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<float> row(static_cast<size_t>(outputs));
+      for (int i = 0; i < outputs; ++i) row[static_cast<size_t>(order[static_cast<size_t>(i)])] = i < plateau ? 5.0f : static_cast<float>(step(rng) - 40) / 8.0f;
+      add_token([&](int e) { return row[static_cast<size_t>(e)]; });
+    }
+    add_token([&](int e) { return e == 3 || e == outputs / 2 || e == outputs - 1 ? 1.0f : 0.0f; });
+    {
+      std::vector<int> order(static_cast<size_t>(outputs));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      add_token([&](int e) { return static_cast<float>(order[static_cast<size_t>(e)] - outputs / 2) / 64.0f; });
+    }
+
+    cuda::DevLayer L;
+    L.num_experts = d.num_experts;
+    L.router_outputs = outputs;
+    L.top_k = k;
+    L.score = static_cast<uint8_t>(d.routing.score);
+    L.weight = static_cast<uint8_t>(d.routing.weight);
+    L.correction_bias = d.routing.correction_bias;
+    L.renormalize = d.routing.renormalize;
+    L.n_group = d.routing.n_group;
+    L.topk_group = d.routing.topk_group;
+    L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
+    L.scaling = static_cast<float>(d.routing.scaling);
+    std::vector<int> ids(static_cast<size_t>(n * k));
+    std::vector<float> weights(ids.size());
+    ASSERT_EQ(testing::select_with_warps(L, c.per_lane, logits.data(), bias.empty() ? nullptr : bias.data(), n, ids.data(),
+                                         weights.data()),
+              cudaSuccess);
+    for (int t = 0; t < n; ++t) {
+      const std::vector<double> row(logits.begin() + t * outputs, logits.begin() + (t + 1) * outputs);
+      std::vector<int> want_ids(static_cast<size_t>(k));
+      std::vector<double> want_weights(static_cast<size_t>(k));
+      ASSERT_OK(moe_select_reference(d, row, bias, want_ids, want_weights));
+      const std::string what = fmt::format("{}, token {}", describe_shape(d), t);
+      for (int j = 0; j < k; ++j) {
+        const size_t at = static_cast<size_t>(t * k + j);
+        ASSERT_EQ(ids[at], want_ids[static_cast<size_t>(j)]) << what << ", choice " << j;
+        EXPECT_NEAR(weights[at], want_weights[static_cast<size_t>(j)], 2e-6 * std::max(1.0, std::abs(want_weights[static_cast<size_t>(j)])))
+            << what << ", choice " << j;
+      }
+    }
+    checked += n;
+  }
+  EXPECT_EQ(checked, 9 * 7);
 }
 
 // The blend's variants (cuda::blend_loads_first, blend_aligned) add the same terms in the same
