@@ -781,8 +781,9 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
 // - plateaus of 20 and 70 equal best keys (the lowest indices win), and a flat row with three
 //   keys above it;
 // - distinct logits in a random order.
-// Shapes: each family's routing (softmax, sigmoid with correction bias and groups, zero experts,
-// gpt-oss's logits, Llama-4's), 1 to 16 outputs per lane, full and part-full lanes, k up to 32.
+// Shapes: each family's routing (softmax, sigmoid with correction bias with and without groups,
+// zero experts, gpt-oss's logits, Llama-4's), 1 to 16 outputs per lane, full and part-full lanes,
+// k up to 32.
 TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
   struct Case {
     Family family;
@@ -826,7 +827,10 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), rng);
       std::vector<float> row(static_cast<size_t>(outputs));
-      for (int i = 0; i < outputs; ++i) row[static_cast<size_t>(order[static_cast<size_t>(i)])] = i < plateau ? 5.0f : static_cast<float>(step(rng) - 40) / 8.0f;
+      for (int i = 0; i < outputs; ++i) {  // the rest under the plateau's 5
+        row[static_cast<size_t>(order[static_cast<size_t>(i)])] =
+            i < plateau ? 5.0f : static_cast<float>(step(rng) - 40) / 8.0f;
+      }
       add_token([&](int e) { return row[static_cast<size_t>(e)]; });
     }
     add_token([&](int e) { return e == 3 || e == outputs / 2 || e == outputs - 1 ? 1.0f : 0.0f; });
@@ -862,9 +866,9 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
       const std::string what = fmt::format("{}, token {}", describe_shape(d), t);
       for (int j = 0; j < k; ++j) {
         const size_t at = static_cast<size_t>(t * k + j);
+        const double want = want_weights[static_cast<size_t>(j)];
         ASSERT_EQ(ids[at], want_ids[static_cast<size_t>(j)]) << what << ", choice " << j;
-        EXPECT_NEAR(weights[at], want_weights[static_cast<size_t>(j)], 2e-6 * std::max(1.0, std::abs(want_weights[static_cast<size_t>(j)])))
-            << what << ", choice " << j;
+        EXPECT_NEAR(weights[at], want, 2e-6 * std::max(1.0, std::abs(want))) << what << ", choice " << j;
       }
     }
     checked += n;
