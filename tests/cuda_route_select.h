@@ -8,11 +8,10 @@
 
 namespace moeinfer::testing {
 
-// cuda::route_token_warp on n tokens' logits ([n, E + Z], host memory), one warp per token, with
-// kPerLane = per_lane (1, 2, 4, 8 or 16; 32 * per_lane >= E + Z). `layer` carries the routing
-// fields; its correction_bias_values are taken from `bias` ([E + Z] host floats, or null).
-// Writes ids and weights ([n, top_k], host memory), which are poisoned on the device first.
-cudaError_t select_with_warps(cuda::DevLayer layer, int per_lane, const float* logits, const float* bias, int n,
-                              int* ids, float* weights);
+// cuda::route_token_warp on n tokens, one warp per token, with kPerLane = per_lane (1, 2, 4, 8 or
+// 16; 32 * per_lane >= E + Z): from ws.logits ([n, E + Z], device memory) into ws.ids and
+// ws.weights ([n, top_k]). `layer` carries the routing fields (correction_bias_values on the
+// device where it has any). Waits for the kernel.
+cudaError_t select_with_warps(const cuda::DevLayer& layer, int per_lane, int n, const cuda::DevWorkspace& ws);
 
 }  // namespace moeinfer::testing

@@ -822,10 +822,14 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
       ++n;
     };
     for (int r = 0; r < 3; ++r) add_token([&](int) { return static_cast<float>(step(rng)) / 8.0f; });
-    for (const int plateau : {20, 70}) {
+    const auto shuffled = [&] {  // 0 .. E + Z - 1 in a random order
       std::vector<int> order(static_cast<size_t>(outputs));
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), rng);
+      return order;
+    };
+    for (const int plateau : {20, 70}) {
+      const std::vector<int> order = shuffled();
       std::vector<float> row(static_cast<size_t>(outputs));
       for (int i = 0; i < outputs; ++i) {  // the rest under the plateau's 5
         row[static_cast<size_t>(order[static_cast<size_t>(i)])] =
@@ -834,12 +838,8 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
       add_token([&](int e) { return row[static_cast<size_t>(e)]; });
     }
     add_token([&](int e) { return e == 3 || e == outputs / 2 || e == outputs - 1 ? 1.0f : 0.0f; });
-    {
-      std::vector<int> order(static_cast<size_t>(outputs));
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), rng);
-      add_token([&](int e) { return static_cast<float>(order[static_cast<size_t>(e)] - outputs / 2) / 64.0f; });
-    }
+    const std::vector<int> order = shuffled();
+    add_token([&](int e) { return static_cast<float>(order[static_cast<size_t>(e)] - outputs / 2) / 64.0f; });
 
     cuda::DevLayer L;
     L.num_experts = d.num_experts;
@@ -853,11 +853,19 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
     L.topk_group = d.routing.topk_group;
     L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
     L.scaling = static_cast<float>(d.routing.scaling);
-    std::vector<int> ids(static_cast<size_t>(n * k));
-    std::vector<float> weights(ids.size());
-    ASSERT_EQ(testing::select_with_warps(L, c.per_lane, logits.data(), bias.empty() ? nullptr : bias.data(), n, ids.data(),
-                                         weights.data()),
-              cudaSuccess);
+    DeviceArray<float> d_logits(logits.size()), d_bias(std::max<size_t>(bias.size(), 1)), d_weights(static_cast<size_t>(n * k));
+    DeviceArray<int> d_ids(d_weights.size);
+    d_logits.put(logits);
+    if (!bias.empty()) d_bias.put(bias), L.correction_bias_values = d_bias.ptr;
+    d_ids.poison();
+    d_weights.poison();
+    cuda::DevWorkspace ws;
+    ws.logits = d_logits.ptr;
+    ws.ids = d_ids.ptr;
+    ws.weights = d_weights.ptr;
+    ASSERT_EQ(testing::select_with_warps(L, c.per_lane, n, ws), cudaSuccess);
+    const std::vector<int> ids = d_ids.get();
+    const std::vector<float> weights = d_weights.get();
     for (int t = 0; t < n; ++t) {
       const std::vector<double> row(logits.begin() + t * outputs, logits.begin() + (t + 1) * outputs);
       std::vector<int> want_ids(static_cast<size_t>(k));
