@@ -14,6 +14,10 @@
 // lets the next one launch at its start and waits with griddepcontrol.wait before its load).
 // Stream launches without a graph are the last rows. At the end the chains' words are checked:
 // after R replays of K kernels the last word must be R x K.
+//
+// A second table: how fast G blocks of 1024 threads read 2 MB that L2 already holds (a BF16
+// router of 512 x 2048), each thread's 16-byte loads 8 at a time: the time per read and the rate
+// per SM, for G = 1, 16 (one cluster), 66 and 132. It says what a kernel on few SMs can pull.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -114,6 +118,38 @@ float us_per_chain(cudaStream_t s, int kernels, const Grid& g, bool pdl, bool gr
   return us[us.size() / 2];
 }
 
+// Reads `units` 16-byte units, each block a contiguous share, each thread 8 loads in flight.
+__global__ void read_l2_kernel(const uint4* data, int units, unsigned* sink) {
+  const int per_block = (units + gridDim.x - 1) / gridDim.x;
+  const int begin = blockIdx.x * per_block, end = min(units, begin + per_block);
+  uint32_t x = 0;
+  for (int i = begin + threadIdx.x; i < end; i += 8 * blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = i + j * blockDim.x < end ? __ldg(data + i + j * blockDim.x) : uint4{};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  if (x == 0x12345678u) sink[blockIdx.x] = x;  // never true; keeps the reads
+}
+
+void few_sm_reads(int sms) {
+  constexpr int kBytes = 2 << 20;
+  uint4* data = nullptr;
+  unsigned* sink = nullptr;
+  CHECK(cudaMalloc(&data, kBytes));
+  CHECK(cudaMemset(data, 1, kBytes));
+  CHECK(cudaMalloc(&sink, sizeof(unsigned) * sms));
+  std::printf("\n2 MB from L2 by G blocks of 1024 threads (median of 9 launches after a warm one)\n");
+  std::printf("%6s %9s %12s\n", "G", "us", "GB/s per SM");
+  for (const int g : {1, 16, sms / 2, sms}) {
+    const float ms = probe::median_ms([&] { read_l2_kernel<<<g, 1024>>>(data, kBytes / 16, sink); });
+    std::printf("%6d %9.2f %12.1f\n", g, ms * 1e3f, kBytes / (ms * 1e-3f) / 1e9f / static_cast<float>(g));
+  }
+  CHECK(cudaFree(data));
+  CHECK(cudaFree(sink));
+}
+
 }  // namespace
 
 int main() {
@@ -144,5 +180,6 @@ int main() {
     }
   }
   CHECK(cudaStreamDestroy(s));
+  few_sm_reads(sms);
   return 0;
 }
