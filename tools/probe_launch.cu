@@ -17,7 +17,8 @@
 //
 // A second table: how fast G blocks of 1024 threads read 2 MB that L2 already holds (a BF16
 // router of 512 x 2048), each thread's 16-byte loads 8 at a time: the time per read and the rate
-// per SM, for G = 1, 16 (one cluster), 66 and 132. It says what a kernel on few SMs can pull.
+// per SM, for G = 1, 16 (one cluster), 66 and 132, each launch included (plain stream launches:
+// compare the rows with each other). It says what a kernel on few SMs can pull.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -140,7 +141,8 @@ void few_sm_reads(int sms) {
   CHECK(cudaMalloc(&data, kBytes));
   CHECK(cudaMemset(data, 1, kBytes));
   CHECK(cudaMalloc(&sink, sizeof(unsigned) * sms));
-  std::printf("\n2 MB from L2 by G blocks of 1024 threads (median of 9 launches after a warm one)\n");
+  std::printf("\n2 MB from L2 by G blocks of 1024 threads (median of 9 stream launches after a warm one; each time "
+              "includes its launch)\n");
   std::printf("%6s %9s %12s\n", "G", "us", "GB/s per SM");
   for (const int g : {1, 16, sms / 2, sms}) {
     const float ms = probe::median_ms([&] { read_l2_kernel<<<g, 1024>>>(data, kBytes / 16, sink); });
