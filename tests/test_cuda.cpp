@@ -842,17 +842,7 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
     add_token([&](int e) { return static_cast<float>(order[static_cast<size_t>(e)] - outputs / 2) / 64.0f; });
 
     cuda::DevLayer L;
-    L.num_experts = d.num_experts;
-    L.router_outputs = outputs;
-    L.top_k = k;
-    L.score = static_cast<uint8_t>(d.routing.score);
-    L.weight = static_cast<uint8_t>(d.routing.weight);
-    L.correction_bias = d.routing.correction_bias;
-    L.renormalize = d.routing.renormalize;
-    L.n_group = d.routing.n_group;
-    L.topk_group = d.routing.topk_group;
-    L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
-    L.scaling = static_cast<float>(d.routing.scaling);
+    cuda::set_routing(d, L);
     DeviceArray<float> d_logits(logits.size()), d_bias(std::max<size_t>(bias.size(), 1)), d_weights(static_cast<size_t>(n * k));
     DeviceArray<int> d_ids(d_weights.size);
     d_logits.put(logits);

@@ -412,26 +412,15 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
 
   cuda::DevLayer& L = impl->dev;
   L.hidden = static_cast<int32_t>(d.hidden);
-  L.num_experts = d.num_experts;
-  L.router_outputs = d.router_outputs();
-  L.top_k = d.top_k;
+  cuda::set_routing(d, L);
   L.act_stride = static_cast<int32_t>(std::max(d.intermediate, d.shared_intermediate));
-  L.score = static_cast<uint8_t>(d.routing.score);
-  L.weight = static_cast<uint8_t>(d.routing.weight);
   L.activation = static_cast<uint8_t>(d.activation);
-  L.correction_bias = d.routing.correction_bias;
-  L.renormalize = d.routing.renormalize;
-  L.weight_on_input = d.routing.weight_on_input;
   // Ranks other than 0 neither run the shared expert nor compute its gate.
   L.has_shared = d.has_shared() && adds_once;
   L.shared_gate = d.shared_gate && adds_once;
   L.owned_begin = slice.begin;
   L.owned_end = slice.end;
   L.adds_once = adds_once;
-  L.n_group = d.routing.n_group;
-  L.topk_group = d.routing.topk_group;
-  L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
-  L.scaling = static_cast<float>(d.routing.scaling);
   L.swiglu_alpha = d.swiglu_alpha;
   L.swiglu_limit = d.swiglu_limit;
   L.sm_count = prop.multiProcessorCount;

@@ -88,6 +88,23 @@ struct DevLayer {
   const DevExpert* experts = nullptr;             // [E + has_shared], device memory
 };
 
+// The selection's fields of L from the layer's description: outputs, top-k, the score and weight
+// functions and the routing rules' knobs (CudaMoe::create, and the selection kernels' tests).
+inline void set_routing(const LayerDesc& d, DevLayer& L) {
+  L.num_experts = d.num_experts;
+  L.router_outputs = d.router_outputs();
+  L.top_k = d.top_k;
+  L.score = static_cast<uint8_t>(d.routing.score);
+  L.weight = static_cast<uint8_t>(d.routing.weight);
+  L.correction_bias = d.routing.correction_bias;
+  L.renormalize = d.routing.renormalize;
+  L.weight_on_input = d.routing.weight_on_input;
+  L.n_group = d.routing.n_group;
+  L.topk_group = d.routing.topk_group;
+  L.renorm_epsilon = static_cast<float>(d.routing.renorm_epsilon);
+  L.scaling = static_cast<float>(d.routing.scaling);
+}
+
 #ifdef __CUDACC__
 // Bytes per row of a matrix's codes.
 __device__ __forceinline__ int64_t weight_row_bytes(const DevMatrix& m) {
