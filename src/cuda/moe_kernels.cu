@@ -348,26 +348,26 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_logits_wide(D
   }
 }
 
-// Grid: (router_mma_row_groups, ceil(n / (8 kTiles)), router_mma_slices(H)); block: 8 warps,
-// warp w on rows 128 bx + 16 w .. + 15 for the block's 8 kTiles tokens over columns
+// Grid: (router_mma_row_groups, ceil(n / 8), router_mma_slices(H)); block: 8 warps, warp w on
+// rows 128 bx + 16 w .. + 15 for the block's 8 tokens (kRouterMmaTokens, one MMA N) over columns
 // 256 bz .. + 255 (moe_kernels.cuh says why and how the parts add up). Operand order as in
 // expert_major.cu: in each 32-column step, lane quad q owns columns 8q .. 8q + 7, the first four
 // for the step's first MMA and the last four for its second, in A (the weights) and B (x) alike,
 // which leaves the dot products unchanged. Blocks with blockIdx.x = 0 also write expert-major's
 // bf16 copy of x (the parts "hi").
-template <int kTiles>
 __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer L, const float* x, int n, DevWorkspace ws) {
   allow_dependent_launch();
+  static_assert(kRouterMmaTokens == 8 && kRouterWarps * kWarp == 256);
   constexpr int kSteps = kRouterMmaCols / 32;
   constexpr int kParts = 3;
-  __shared__ uint4 xs[kTiles][kSteps][kParts][kWarp];  // B fragments, one uint4 per lane
+  __shared__ uint4 xs[kSteps][kParts][kWarp];  // B fragments, one uint4 per lane
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int g = lane / 4, q = lane % 4;
   const int64_t H = L.hidden;
   const int R = L.router_outputs;
   const int gate_row = L.shared_gate ? router_mma_gate_row(R) : INT_MAX;
   const int rows = L.shared_gate ? gate_row + kParts : R;
-  const int t0 = blockIdx.y * 8 * kTiles;
+  const int t0 = blockIdx.y * kRouterMmaTokens;
   const int c0 = blockIdx.z * kRouterMmaCols;
   const int row0 = blockIdx.x * kRouterMmaRows + warp * 16;
 
@@ -391,80 +391,62 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   }
 
   // x of the block's tokens over the slice, each value as three bf16 parts, in B fragment order:
-  // 8 columns (group cg of 32) of token tt go to tile tt / 8, step cg / 4, lane
-  // (tt % 8) * 4 + cg % 4. Thread u takes token u / 32 + 8 i (i < kTiles), group u % 32, and issues
-  // all its loads first.
-  const int cg = threadIdx.x % 32;
+  // 8 columns (group cg of 32) of token tt go to step cg / 4, lane tt * 4 + cg % 4. Thread u takes
+  // token u / 32, group u % 32.
+  const int cg = threadIdx.x % 32, tt = threadIdx.x / 32;
   const int64_t c = c0 + 8 * cg;
-  float4 v[kTiles][2];
+  float4 v[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+  if (t0 + tt < n && c < H) {
+    v[0] = *reinterpret_cast<const float4*>(x + (t0 + tt) * H + c);
+    v[1] = *reinterpret_cast<const float4*>(x + (t0 + tt) * H + c + 4);
+  }
+  const float e[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+  uint32_t parts[kParts][4];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int64_t t = t0 + threadIdx.x / 32 + 8 * i;
-    v[i][0] = v[i][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (t < n && c < H) {
-      v[i][0] = *reinterpret_cast<const float4*>(x + t * H + c);
-      v[i][1] = *reinterpret_cast<const float4*>(x + t * H + c + 4);
+  for (int j = 0; j < 4; ++j) {
+    float lo = e[2 * j], hi = e[2 * j + 1];
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {  // what is left after each part is exact in fp32
+      parts[p][j] = pack_bf16(lo, hi);
+      lo -= __uint_as_float(parts[p][j] << 16);
+      hi -= __uint_as_float(parts[p][j] & 0xFFFF0000u);
     }
   }
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int tt = threadIdx.x / 32 + 8 * i;
-    const float e[8] = {v[i][0].x, v[i][0].y, v[i][0].z, v[i][0].w, v[i][1].x, v[i][1].y, v[i][1].z, v[i][1].w};
-    uint32_t parts[kParts][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float lo = e[2 * j], hi = e[2 * j + 1];
-#pragma unroll
-      for (int p = 0; p < kParts; ++p) {  // what is left after each part is exact in fp32
-        parts[p][j] = pack_bf16(lo, hi);
-        lo -= __uint_as_float(parts[p][j] << 16);
-        hi -= __uint_as_float(parts[p][j] & 0xFFFF0000u);
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < kParts; ++p) {
-      xs[tt / 8][cg / 4][p][(tt % 8) * 4 + cg % 4] = make_uint4(parts[p][0], parts[p][1], parts[p][2], parts[p][3]);
-    }
-    if (blockIdx.x == 0 && t0 + tt < n && c < H) {
-      *reinterpret_cast<uint4*>(ws.x_bf16 + (t0 + tt) * H + c) =
-          make_uint4(parts[0][0], parts[0][1], parts[0][2], parts[0][3]);
-    }
+  for (int p = 0; p < kParts; ++p) {
+    xs[cg / 4][p][tt * 4 + cg % 4] = make_uint4(parts[p][0], parts[p][1], parts[p][2], parts[p][3]);
+  }
+  if (blockIdx.x == 0 && t0 + tt < n && c < H) {
+    *reinterpret_cast<uint4*>(ws.x_bf16 + (t0 + tt) * H + c) = make_uint4(parts[0][0], parts[0][1], parts[0][2], parts[0][3]);
   }
   __syncthreads();
 
-  // Below 4 tiles one accumulator per part, so that there are more chains of MMAs than tiles (with
-  // 4, those would take the registers of a second block per SM); their sums added small first.
-  constexpr int kChains = kTiles == 4 ? 1 : kParts;
-  float acc[kTiles][kChains][4] = {};
+  // One accumulator per part, so that three chains of MMAs run side by side; their sums are added
+  // small first.
+  float acc[kParts][4] = {};
   if (row0 < rows) {
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       const uint32_t first[4] = {w[s][0].x, w[s][1].x, w[s][0].y, w[s][1].y};
       const uint32_t second[4] = {w[s][0].z, w[s][1].z, w[s][0].w, w[s][1].w};
 #pragma unroll
-      for (int tile = 0; tile < kTiles; ++tile) {
-#pragma unroll
-        for (int p = 0; p < kParts; ++p) {
-          const uint4 b = xs[tile][s][p][lane];
-          mma_bf16_16816(acc[tile][p % kChains], first, b.x, b.y);
-          mma_bf16_16816(acc[tile][p % kChains], second, b.z, b.w);
-        }
+      for (int p = 0; p < kParts; ++p) {
+        const uint4 b = xs[s][p][lane];
+        mma_bf16_16816(acc[p], first, b.x, b.y);
+        mma_bf16_16816(acc[p], second, b.z, b.w);
       }
     }
   }
-  // This slice's sums: acc[tile][.][j] is row row0 + g + 8 (j / 2), token t0 + 8 tile + 2 q + j % 2.
+  // This slice's sums: acc[.][j] is row row0 + g + 8 (j / 2), token t0 + 2 q + j % 2.
   const int64_t padded = static_cast<int64_t>(gridDim.x) * kRouterMmaRows;
   float* slice = ws.router_partials + static_cast<int64_t>(blockIdx.z) * n * padded;
 #pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t t = t0 + 2 * q + j % 2;
+    float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t t = t0 + 8 * tile + 2 * q + j % 2;
-      float sum = 0.0f;
-#pragma unroll
-      for (int p = kChains - 1; p >= 0; --p) sum += acc[tile][p][j];
-      if (t < n) slice[t * padded + row0 + g + 8 * (j / 2)] = sum;
-    }
+    for (int p = kParts - 1; p >= 0; --p) sum += acc[p][j];
+    if (t < n) slice[t * padded + row0 + g + 8 * (j / 2)] = sum;
   }
 
   // The last block of this (row group, token group) to finish adds the slices up, in slice order.
@@ -474,16 +456,17 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
   const bool mine = threadIdx.x == 0 && atomicAdd(done, 1) == static_cast<int>(gridDim.z) - 1;
   if (!__syncthreads_or(mine)) return;
   __threadfence();
-  const int tokens = min(8 * kTiles, n - t0);
+  const int tokens = min(kRouterMmaTokens, n - t0);
   const int slices = static_cast<int>(gridDim.z);
   const int64_t slice_stride = n * padded;
-  // Router rows: item i is row 128 bx + i % 128, token t0 + i / 128; kTiles x 4 items per thread,
-  // all their slices' loads in flight together.
+  // Router rows: item i is row 128 bx + i % 128, token t0 + i / 128; 4 items per thread (8 tokens x
+  // 128 rows over 256 threads), all their slices' loads in flight together.
+  constexpr int kItems = kRouterMmaTokens * kRouterMmaRows / (kRouterWarps * kWarp);
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRouterMmaRows;
-  int64_t at[4 * kTiles];
-  float sum[4 * kTiles];
+  int64_t at[kItems];
+  float sum[kItems];
 #pragma unroll
-  for (int k = 0; k < 4 * kTiles; ++k) {
+  for (int k = 0; k < kItems; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     at[k] = i / kRouterMmaRows < tokens && first_row + i % kRouterMmaRows < R
                 ? (t0 + i / kRouterMmaRows) * padded + first_row + i % kRouterMmaRows
@@ -493,12 +476,12 @@ __global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_mma(DevLayer 
 #pragma unroll 4
   for (int z = 0; z < slices; ++z) {
 #pragma unroll
-    for (int k = 0; k < 4 * kTiles; ++k) {
+    for (int k = 0; k < kItems; ++k) {
       if (at[k] >= 0) sum[k] += __ldcg(ws.router_partials + z * slice_stride + at[k]);
     }
   }
 #pragma unroll
-  for (int k = 0; k < 4 * kTiles; ++k) {
+  for (int k = 0; k < kItems; ++k) {
     if (at[k] < 0) continue;
     const int64_t t = at[k] / padded;
     const int r = static_cast<int>(at[k] % padded);
@@ -1163,13 +1146,7 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
   const dim3 grid(r.grid[0], r.grid[1], r.grid[2]);
   switch (r.kernel) {
     case RouterKernel::kMma:
-      if (r.tokens == 8) {
-        moe_router_mma<1><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-      } else if (r.tokens == 16) {
-        moe_router_mma<2><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-      } else {
-        moe_router_mma<4><<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
-      }
+      moe_router_mma<<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws);
       break;
     case RouterKernel::kFmaWide: moe_router_logits_wide<<<grid, kRouterWarps * kWarp, 0, stream>>>(L, x, n, ws); break;
     case RouterKernel::kFma:

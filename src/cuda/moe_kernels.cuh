@@ -704,9 +704,9 @@ inline int router_logits_tokens(int rows, int n, int sm_count) {
 }
 
 // The router's logits on the tensor cores (moe_router_mma), where the router is BF16 and rows are
-// whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8,
-// 16 or 32 tokens (router_mma_tiles) over one slice of 256 columns of K, so the grid is (row
-// groups, token groups, slices). x is fp32 and the CUDA-core kernels keep it so; here each x
+// whole 8-column loads: a block of 8 warps takes 128 router rows (16 per warp, one MMA M) for 8
+// tokens (one MMA N) over one slice of 256 columns of K, so the grid is (row groups, token groups,
+// slices). x is fp32 and the CUDA-core kernels keep it so; here each x
 // value is split into three bf16 parts (x = hi + mid + lo to fp32's precision), each multiplied
 // exactly by the bf16 weights and summed in fp32. The shared expert's gate vector (fp32) is split
 // the same way at upload, into three rows from a multiple of 4 past the router's (so all three
@@ -715,20 +715,17 @@ inline int router_logits_tokens(int rows, int n, int sm_count) {
 inline constexpr int kRouterMmaRows = 128;
 inline constexpr int kRouterMmaCols = 256;
 inline constexpr int kRouterMmaMaxTokens = 512;  // larger calls run the CUDA-core kernels
+// Tokens per block at every grid. 16 or 32 where the grid still held a block per SM (the router's
+// rows then read fewer times from L2, but each block's MMAs and its share of the slices' sum grow)
+// measured 1.00-1.03x slower than 8 on an H100 (docs/PERF.md v3.41): qwen3-next N = 64-256 1.01-1.03x
+// faster at 8, DeepSeek-V3 N = 64-256 1.00-1.01x.
+inline constexpr int kRouterMmaTokens = 8;
 __host__ __device__ constexpr int router_mma_gate_row(int outputs) { return (outputs + 3) / 4 * 4; }
 inline int router_mma_row_groups(int outputs, bool shared_gate) {
   const int rows = shared_gate ? router_mma_gate_row(outputs) + 3 : outputs;
   return (rows + kRouterMmaRows - 1) / kRouterMmaRows;
 }
 inline int router_mma_slices(int hidden) { return (hidden + kRouterMmaCols - 1) / kRouterMmaCols; }
-// Tokens per block: 8 x the MMA token tiles, 4, or fewer where the grid would leave SMs idle
-// (the weights are then read more times, from L2, and each block's share of the slices' sum is
-// smaller: that sum, by the group's last block, is the kernel's tail).
-inline int router_mma_tiles(int n, int row_groups, int slices, int sm_count) {
-  int tiles = 4;
-  while (tiles > 1 && int64_t{row_groups} * ((n + 8 * tiles - 1) / (8 * tiles)) * slices < sm_count) tiles /= 2;
-  return tiles;
-}
 // Whether a call of n tokens runs moe_router_mma (where it can run at all: L.router_mma_tokens):
 // forced, else from 16 tokens where its grid at 8 tokens per block holds 3/8 of a block per SM.
 // Measured on the H200 against the CUDA-core kernels (docs/PERF.md v3.15): qwen3-30b (1 row group
@@ -745,7 +742,7 @@ inline bool router_uses_mma(const DevLayer& L, int n) {
 }
 
 // The router's logits kernel for a call of n tokens, and its grid: on the tensor cores
-// (moe_router_mma, `tokens` = 8 x its token tiles per block), or on the CUDA cores, 16 rows per
+// (moe_router_mma, kRouterMmaTokens per block), or on the CUDA cores, 16 rows per
 // block (moe_router_logits_wide, 8 tokens) or 2 (moe_router_logits, 1 or 8 tokens). The launcher
 // runs this choice and the bench's per-call config names it.
 enum class RouterKernel { kMma, kFmaWide, kFma };
@@ -760,7 +757,7 @@ inline RouterLaunch router_launch(const DevLayer& L, int n) {
   if (router_uses_mma(L, n)) {
     const int groups = router_mma_row_groups(L.router_outputs, L.shared_gate), slices = router_mma_slices(L.hidden);
     r.kernel = RouterKernel::kMma;
-    r.tokens = 8 * router_mma_tiles(n, groups, slices, L.sm_count);
+    r.tokens = kRouterMmaTokens;
     r.grid[0] = groups, r.grid[2] = slices;
   } else if (router_logits_wide(rows, L.router.cols, n, L.sm_count)) {
     r.kernel = RouterKernel::kFmaWide;
