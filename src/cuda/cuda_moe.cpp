@@ -502,9 +502,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> apart_count = alloc(4);
   Result<void*> apart_routes = alloc(apart_tokens * 4);
   Result<void*> apart_x = alloc(apart_tokens * d.hidden * 2);
-  // The tensor-core router's per-slice sums and its counters per (row group, token group of 8).
+  // The tensor-core router's per-slice sums and its counters per (row group, token group).
   const int64_t router_groups = cuda::router_mma_row_groups(d.router_outputs(), d.shared_gate);
-  const int64_t router_counters = router_groups * ((L.router_mma_tokens + 7) / 8);
+  const int64_t router_counters = router_groups * cuda::router_mma_token_groups(L.router_mma_tokens);
   Result<void*> router_partials =
       alloc(int64_t{cuda::router_mma_slices(static_cast<int>(d.hidden))} * L.router_mma_tokens * router_groups *
             cuda::kRouterMmaRows * 4);

@@ -720,6 +720,8 @@ inline constexpr int kRouterMmaMaxTokens = 512;  // larger calls run the CUDA-co
 // measured 1.00-1.03x slower than 8 on an H100 (docs/PERF.md v3.41): qwen3-next N = 64-256 1.01-1.03x
 // faster at 8, DeepSeek-V3 N = 64-256 1.00-1.01x.
 inline constexpr int kRouterMmaTokens = 8;
+// The token groups of a call of n tokens: the grid's y, and the counters of the slices' sums.
+inline int64_t router_mma_token_groups(int64_t n) { return (n + kRouterMmaTokens - 1) / kRouterMmaTokens; }
 __host__ __device__ constexpr int router_mma_gate_row(int outputs) { return (outputs + 3) / 4 * 4; }
 inline int router_mma_row_groups(int outputs, bool shared_gate) {
   const int rows = shared_gate ? router_mma_gate_row(outputs) + 3 : outputs;
@@ -736,7 +738,7 @@ inline constexpr int kRouterMmaFromTokens = 16;
 inline bool router_uses_mma(const DevLayer& L, int n) {
   if (n > L.router_mma_tokens || L.router_mma == 0) return false;
   if (L.router_mma == 1) return true;
-  const int64_t blocks = int64_t{router_mma_row_groups(L.router_outputs, L.shared_gate)} * ((n + 7) / 8) *
+  const int64_t blocks = int64_t{router_mma_row_groups(L.router_outputs, L.shared_gate)} * router_mma_token_groups(n) *
                          router_mma_slices(L.hidden);
   return n >= kRouterMmaFromTokens && 8 * blocks >= int64_t{3} * L.sm_count;
 }
