@@ -133,37 +133,41 @@ class Cuda : public ::testing::Test {
   }
 };
 
+// n = 8: the route kernel is one block; n = 24: three blocks as one cluster (route_warps_clustered).
 TEST_F(Cuda, GraphReplayWithNewInputsEqualsEager) {
   const LayerDesc d = family_layer(Family::kQwen3Next, {.hidden = 128, .intermediate = 64, .num_experts = 32, .top_k = 4,
                                                         .shared_intermediate = 64});
   const Layer layer = take(make_synthetic_layer(d, {WeightFormat::kNVFP4}, 3));
-  const int64_t n = 8, h = d.hidden;
-  std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
-  DeviceArray<float> x(n * h), out(n * h);
+  for (const int64_t n : {8, 24}) {
+    SCOPED_TRACE(fmt::format("n {}", n));
+    const int64_t h = d.hidden;
+    std::unique_ptr<CudaMoe> moe = take(CudaMoe::create(layer, n));
+    DeviceArray<float> x(n * h), out(n * h);
 
-  // Capture once, for the padded N.
-  x.put(make_tokens(n, h, 100));
-  CapturedGraph g;
-  ASSERT_NO_FATAL_FAILURE(
-      capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
+    // Capture once, for the padded N.
+    x.put(make_tokens(n, h, 100));
+    CapturedGraph g;
+    ASSERT_NO_FATAL_FAILURE(
+        capture(g, cudaStreamDefault, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); }));
 
-  std::set<std::vector<int>> routings;
-  for (uint64_t seed = 1; seed <= 4; ++seed) {
-    // New tokens, and so new routing; batch 1 is 5 real tokens padded with zeros to 8.
-    std::vector<float> tokens = make_tokens(n, h, seed);
-    const int64_t real = seed == 1 ? 5 : n;
-    std::fill(tokens.begin() + real * h, tokens.end(), 0.0f);
-    x.put(tokens);
-    const std::vector<float> replayed = replay_matching_eager(g.exec, g.stream, *moe, x, out, n, seed);
+    std::set<std::vector<int>> routings;
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+      // New tokens, and so new routing; batch 1 is 5 real tokens padded with zeros to n.
+      std::vector<float> tokens = make_tokens(n, h, seed);
+      const int64_t real = seed == 1 ? 5 : n;
+      std::fill(tokens.begin() + real * h, tokens.end(), 0.0f);
+      x.put(tokens);
+      const std::vector<float> replayed = replay_matching_eager(g.exec, g.stream, *moe, x, out, n, seed);
 
-    const std::vector<float> real_tokens(tokens.begin(), tokens.begin() + real * h);
-    std::vector<float> expected(real_tokens.size());
-    ASSERT_OK(moe_forward_reference(layer, real_tokens, real, expected));
-    const std::vector<float> got(replayed.begin(), replayed.begin() + real * h);
-    EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << "seed " << seed;
-    routings.insert(take(moe_route_reference(layer, real_tokens, real)).ids);
+      const std::vector<float> real_tokens(tokens.begin(), tokens.begin() + real * h);
+      std::vector<float> expected(real_tokens.size());
+      ASSERT_OK(moe_forward_reference(layer, real_tokens, real, expected));
+      const std::vector<float> got(replayed.begin(), replayed.begin() + real * h);
+      EXPECT_LE(testing::rel_l2(got, expected), 1e-2) << "seed " << seed;
+      routings.insert(take(moe_route_reference(layer, real_tokens, real)).ids);
+    }
+    EXPECT_EQ(routings.size(), 4u) << "the replays should have routed differently";
   }
-  EXPECT_EQ(routings.size(), 4u) << "the replays should have routed differently";
 }
 
 TEST_F(Cuda, ForwardRefusesCallsOutsideItsPlan) {
@@ -747,7 +751,8 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
     }
     layer.router = take(QuantMatrix::quantize(router, layer.router.rows, h, layer.router.spec));
     for (size_t e = period; e < layer.correction_bias.size(); ++e) layer.correction_bias[e] = layer.correction_bias[e % period];
-    for (const int64_t n : {1, 2, 9}) {
+    // 9-64 tokens: the route kernel's blocks as one cluster (route_warps_clustered); 65: past it.
+    for (const int64_t n : {1, 2, 9, 40, 64, 65}) {
       const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 60);
       std::vector<float> expected(tokens.size());
       ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
@@ -764,7 +769,7 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
       ++checked;
     }
   }
-  EXPECT_EQ(checked, 4 * 3);
+  EXPECT_EQ(checked, 4 * 6);
 }
 
 // The one-warp selection (cuda::route_token_warp) against the reference's, choice by choice. The
@@ -1903,6 +1908,15 @@ TEST(ExpertMajorSizing, CommonKLoopOfTheOwnedExperts) {
 
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,
 // the H200's): the wide router from 1.5 blocks per SM, the loads-first blend within one wave.
+TEST(ExpertMajorSizing, RouteKernelOfTwoToEightBlocksIsOneCluster) {
+  EXPECT_EQ(cuda::route_warps_blocks(1), 1);
+  EXPECT_EQ(cuda::route_warps_blocks(9), 2);
+  EXPECT_EQ(cuda::route_warps_blocks(64), 8);
+  EXPECT_EQ(cuda::route_warps_blocks(65), 9);
+  for (const int n : {1, 8, 65, 256}) EXPECT_FALSE(cuda::route_warps_clustered(n)) << n;
+  for (const int n : {9, 16, 33, 64}) EXPECT_TRUE(cuda::route_warps_clustered(n)) << n;
+}
+
 TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   // Router rows: qwen3-next 512 experts and the shared expert's gate; qwen3-30b 128 experts.
   EXPECT_FALSE(cuda::router_logits_wide(513, 2048, 32, 132));   // 33 x 4 blocks

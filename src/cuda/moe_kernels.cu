@@ -601,11 +601,13 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
   group_routes<kGroupThreads>(L, n, group, ws, counts);
 }
 
-// Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) the last block to
-// finish groups the routes of all tokens. One launch, no block-wide barrier inside a token's
-// selection. A grid of one block (n <= 8) groups at once, from its choices in shared memory: no
-// fence, no counter, no L2 round trip for the ids; one token, by its own warp (group_one_token).
-constexpr int kRouteWarps = 8;
+// Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) one block groups the
+// routes of all tokens. One launch, no block-wide barrier inside a token's selection. A grid of
+// one block (n <= 8) groups at once, from its choices in shared memory: no fence, no counter, no L2
+// round trip for the ids; one token, by its own warp (group_one_token). A grid of 2-8 blocks runs
+// as one cluster (route_warps_clustered): block 0 gathers the others' choices from their shared
+// memory after a cluster barrier. Larger grids: the last block to finish groups, reading the
+// choices from L2.
 
 // The selection of DESIGN.md section 2 for a call's only token by a whole block of kRouteWarps
 // warps, so that each step's chain is an eighth of one warp's: thread i holds experts i, i + 256,
@@ -751,16 +753,39 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(De
   group_routes<kRouteWarps * kWarp, 1>(L, 1, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
 }
 
+// The number of blocks in this block's cluster (1 where the grid was launched without clusters).
+__device__ __forceinline__ unsigned cluster_blocks() {
+  unsigned blocks;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(blocks));
+  return blocks;
+}
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// The address of `p` (this block's shared memory) in the shared memory of the cluster's block
+// `rank`, as a generic pointer.
+template <class T>
+__device__ __forceinline__ const T* cluster_block_address(const T* p, unsigned rank) {
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+}
+
+// Dynamic shared memory: per warp E + Z keys while selecting (group-limited routing only); then
+// group_routes' 2 (E + shared) counts, followed in a clustered grid by every token's choices.
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
-  extern __shared__ float route_smem[];  // per warp E + Z keys while routing; then the group counts
+  extern __shared__ float route_smem[];
   allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
   __shared__ bool last;
-  __shared__ int block_ids[kRouteWarps * kWarp];  // one block: every token's choices (top_k <= 32)
+  __shared__ int block_ids[kRouteWarps * kWarp];  // this block's tokens' choices (top_k <= 32)
   const int warp = threadIdx.x / kWarp;
-  const int t = blockIdx.x * kRouteWarps + warp;
+  const int t0 = blockIdx.x * kRouteWarps, t = t0 + warp;
   const bool one_block = gridDim.x == 1;
-  if (t < n) route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs, one_block ? block_ids : nullptr);
+  const bool clustered = !one_block && cluster_blocks() == gridDim.x;  // the launcher's route_warps_clustered
+  if (t < n) {
+    route_token_warp<kPerLane>(L, t, ws, route_smem + warp * L.router_outputs, one_block || clustered ? block_ids : nullptr,
+                               true, t0);
+  }
   if (group == 0) return;
   if (n == 1 && L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {  // one token: its warp groups its routes
     if (warp == 0) group_one_token(L, ws, block_ids);
@@ -769,6 +794,24 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLay
   if (one_block) {
     __syncthreads();
     group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
+    return;
+  }
+  if (clustered) {
+    // Block 0 copies every block's choices past its counts; the others wait at a second barrier
+    // until it has, so that their shared memory outlives its reads.
+    cluster_arrive_release();
+    cluster_wait();
+    int* counts = reinterpret_cast<int*>(route_smem);
+    int* ids = counts + 2 * (L.num_experts + (L.has_shared ? 1 : 0));
+    if (blockIdx.x == 0) {
+      const int per_block = kRouteWarps * L.top_k;
+      for (int i = threadIdx.x; i < n * L.top_k; i += blockDim.x) {
+        ids[i] = cluster_block_address(block_ids, i / per_block)[i % per_block];
+      }
+    }
+    cluster_arrive_release();
+    cluster_wait();
+    if (blockIdx.x == 0) group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
     return;
   }
   // Publish this block's choices, then count finished blocks; the last one sees them all.
@@ -1131,11 +1174,29 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
       return cudaGetLastError();
     }
   }
-  const size_t smem = std::max(keys, 2 * experts * sizeof(int));
+  const bool clustered = route_warps_clustered(n);
+  const size_t counts = (2 * experts + (clustered ? static_cast<size_t>(n) * L.top_k : 0)) * sizeof(int);
+  const size_t smem = std::max(keys, counts);
   const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
   if (err != cudaSuccess) return err;
-  moe_route_warps<kPerLane><<<(n + kRouteWarps - 1) / kRouteWarps, kRouteWarps * kWarp, smem, stream>>>(L, n, group, ws);
-  return cudaGetLastError();
+  const int blocks = route_warps_blocks(n);
+  if (!clustered) {
+    moe_route_warps<kPerLane><<<blocks, kRouteWarps * kWarp, smem, stream>>>(L, n, group, ws);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(blocks);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kRouteWarps * kWarp);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, moe_route_warps<kPerLane>, L, n, group, ws);
 }
 
 }  // namespace

@@ -773,6 +773,18 @@ inline RouterLaunch router_launch(const DevLayer& L, int n) {
   return r;
 }
 
+// The selection of one warp per token (moe_route_warps) runs ceil(n / 8) blocks of 8 warps. Past
+// one block, each block's choices must reach the block that groups them. Up to a cluster's portable
+// size (8 blocks, n <= 64) the grid is one thread-block cluster: after a cluster barrier block 0
+// reads every block's choices from its shared memory. Larger grids count their finished blocks
+// through a fence and a counter in global memory, and the last one reads the choices from L2.
+inline constexpr int kRouteWarps = 8;
+inline constexpr int kRouteClusterMaxBlocks = 8;
+__host__ __device__ constexpr int route_warps_blocks(int n) { return (n + kRouteWarps - 1) / kRouteWarps; }
+__host__ __device__ constexpr bool route_warps_clustered(int n) {
+  return route_warps_blocks(n) > 1 && route_warps_blocks(n) <= kRouteClusterMaxBlocks;
+}
+
 // Router logits, then (`select`) the selection of every token; with group > 0 also the
 // expert-major work items of up to `group` routes (ws.items, ws.route_list, ws.num_items). Without
 // `select` the router alone: the caller's gate_up selects (ExpertMajorLaunch::gate_up_selects).

@@ -113,11 +113,11 @@ __device__ __forceinline__ uint32_t kept_groups(const DevLayer& L, const float* 
 // The selection of DESIGN.md section 2 for token t by one warp, lane l holding experts
 // l, l + 32, ... (kPerLane of them) in registers; `keys` is this warp's shared scratch of
 // E + Z floats, used only for group-limited routing.
-// `ids`, where not null, gets the token's choices too (shared memory, at t * top_k); ws.ids and
-// ws.weights get them where `publish`.
+// `ids`, where not null, gets the token's choices too (shared memory, at (t - ids_from) * top_k);
+// ws.ids and ws.weights get them where `publish`.
 template <int kPerLane>
 __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const DevWorkspace& ws, float* keys,
-                                                 int* ids = nullptr, bool publish = true) {
+                                                 int* ids = nullptr, bool publish = true, int ids_from = 0) {
   const int lane = threadIdx.x % kWarp, outputs = L.router_outputs;
   float score[kPerLane], key[kPerLane];
   float max_logit = -INFINITY;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
       ws.ids[t * L.top_k + lane] = my_id;
       ws.weights[t * L.top_k + lane] = w;
     }
-    if (ids != nullptr) ids[t * L.top_k + lane] = my_id;
+    if (ids != nullptr) ids[(t - ids_from) * L.top_k + lane] = my_id;
   }
 }
 
