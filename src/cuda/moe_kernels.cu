@@ -741,6 +741,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(DevLayer L, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];
   allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
+  wait_for_prior_grid();     // the router's logits (launch_route_warps)
   __shared__ int block_ids[kWarp];
   constexpr int kPerThread = (kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp);
   route_one_token_block<kPerThread>(L, ws, route_smem, block_ids);
@@ -776,6 +777,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLayer L, int n, int group, DevWorkspace ws) {
   extern __shared__ float route_smem[];
   allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
+  wait_for_prior_grid();     // the router's logits (launch_route_warps)
   __shared__ bool last;
   __shared__ int block_ids[kRouteWarps * kWarp];  // this block's tokens' choices (top_k <= 32)
   const int warp = threadIdx.x / kWarp;
@@ -1159,43 +1161,45 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
+// The route kernels of one warp per token and of one token, launched while the router runs (a
+// programmatic dependent launch: their blocks wait for its end and its logits before they read
+// them), and the grid of 2-8 blocks as one cluster (route_warps_clustered).
 template <int kPerLane>
 cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWorkspace& ws,
                                cudaStream_t stream) {
   const size_t experts = static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0);
   const size_t keys = L.n_group > 1 ? kRouteWarps * static_cast<size_t>(L.router_outputs) * sizeof(float) : 0;
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kRouteWarps * kWarp);
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = 1;
   if constexpr (kPerLane >= kBlockSelectFromPerLane) {
     if (n == 1) {
-      const size_t smem =
+      config.gridDim = dim3(1);
+      config.dynamicSmemBytes =
           std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float), 2 * experts * sizeof(int));
-      const cudaError_t err = allow_smem(moe_route_one_token<kPerLane>, smem);
+      const cudaError_t err = allow_smem(moe_route_one_token<kPerLane>, config.dynamicSmemBytes);
       if (err != cudaSuccess) return err;
-      moe_route_one_token<kPerLane><<<1, kRouteWarps * kWarp, smem, stream>>>(L, group, ws);
-      return cudaGetLastError();
+      return cudaLaunchKernelEx(&config, moe_route_one_token<kPerLane>, L, group, ws);
     }
   }
   const bool clustered = route_warps_clustered(n);
   const size_t counts = (2 * experts + (clustered ? static_cast<size_t>(n) * L.top_k : 0)) * sizeof(int);
-  const size_t smem = std::max(keys, counts);
-  const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, smem);
+  config.gridDim = dim3(route_warps_blocks(n));
+  config.dynamicSmemBytes = std::max(keys, counts);
+  const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, config.dynamicSmemBytes);
   if (err != cudaSuccess) return err;
-  const int blocks = route_warps_blocks(n);
-  if (!clustered) {
-    moe_route_warps<kPerLane><<<blocks, kRouteWarps * kWarp, smem, stream>>>(L, n, group, ws);
-    return cudaGetLastError();
+  if (clustered) {
+    attributes[1].id = cudaLaunchAttributeClusterDimension;
+    attributes[1].val.clusterDim.x = config.gridDim.x;
+    attributes[1].val.clusterDim.y = 1;
+    attributes[1].val.clusterDim.z = 1;
+    config.numAttrs = 2;
   }
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(blocks);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kRouteWarps * kWarp);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, moe_route_warps<kPerLane>, L, n, group, ws);
 }
 
