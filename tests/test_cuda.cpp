@@ -356,6 +356,14 @@ size_t programmatic_edges(const CapturedGraph& g) {
                                            [](const cudaGraphEdgeData& e) { return e.type == cudaGraphDependencyTypeProgrammatic; }));
 }
 
+// The programmatic edge of the route kernel launched during the router (cuda::selection_by_warps),
+// in a call whose gate_up does not select for itself.
+size_t route_edges(const LayerDesc& d, const std::string& config) {
+  cuda::DevLayer L;
+  cuda::set_routing(d, L);
+  return cuda::selection_by_warps(L) && config.find("(selects)") == std::string::npos ? 1 : 0;
+}
+
 // One call of a test that turns a launch option on and off: the layer made with `options` for n
 // tokens (into `moe`), its config (into `config`) naming `marker` exactly where `marked`, and its
 // output (into `got`, from poisoned buffers) within 1e-2 of the reference's `expected`.
@@ -494,7 +502,8 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
 // the config names `marker` exactly where it is on, and the output, from poisoned buffers, is within
 // 1e-2 of the reference and, on, bit for bit the off call's (the same kernels and sums: only when a
 // kernel starts differs). Each call is also captured, its graph holding `edges(config, early)`
-// programmatic edges; each early graph's replays with other tokens match. `seen(config)` for each
+// programmatic edges besides the route kernel's (route_edges); each early graph's replays with other
+// tokens match. `seen(config)` for each
 // early call. Returns the number of early calls checked.
 template <class Set, class Edges, class Seen>
 int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer_list<int64_t> ns, uint64_t seed,
@@ -530,7 +539,7 @@ int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer
             CapturedGraph g;
             capture(g, cudaStreamNonBlocking, [&](cudaStream_t s) { ASSERT_OK(moe->forward(x.ptr, n, out.ptr, s)); });
             if (::testing::Test::HasFatalFailure()) return checked;
-            EXPECT_EQ(programmatic_edges(g), edges(config, early)) << what << ": " << config;
+            EXPECT_EQ(programmatic_edges(g), edges(config, early) + route_edges(d, config)) << what << ": " << config;
             if (!early) {
               after = got;
               continue;
@@ -595,7 +604,7 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
 // of 256 experts (N = 1: the one-token route kernel), a ragged DeepSeek-V3 one (the route kernel
 // of a warp per token) and one of 520 router outputs (the block-per-token route kernel, then the
 // grouping kernel), at N = 1, 2, 8, 24 and 48. One programmatic edge for the gate_up where it is
-// early, and one for the down where that is.
+// early, and one for the down where that is, besides the route kernel's where it has one.
 TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
   const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
                                                            .top_k = 4});
@@ -1908,6 +1917,20 @@ TEST(ExpertMajorSizing, CommonKLoopOfTheOwnedExperts) {
 
 // The router's logits kernel and the blend's loop by their grids, on the real shapes (132 SMs,
 // the H200's): the wide router from 1.5 blocks per SM, the loads-first blend within one wave.
+TEST(ExpertMajorSizing, SelectionByWarpsWhereEachLaneHoldsAChoiceAndAtMostSixteenLogits) {
+  cuda::DevLayer L;
+  L.top_k = 10, L.n_group = 1, L.router_outputs = 512;  // qwen3-next
+  EXPECT_TRUE(cuda::selection_by_warps(L));
+  L.router_outputs = 513;
+  EXPECT_FALSE(cuda::selection_by_warps(L));
+  L.router_outputs = 256, L.top_k = 32, L.n_group = 32;
+  EXPECT_TRUE(cuda::selection_by_warps(L));
+  L.top_k = 33;
+  EXPECT_FALSE(cuda::selection_by_warps(L));
+  L.top_k = 8, L.n_group = 33;
+  EXPECT_FALSE(cuda::selection_by_warps(L));
+}
+
 TEST(ExpertMajorSizing, RouteKernelOfTwoToEightBlocksIsOneCluster) {
   EXPECT_EQ(cuda::route_warps_blocks(1), 1);
   EXPECT_EQ(cuda::route_warps_blocks(9), 2);

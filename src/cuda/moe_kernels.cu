@@ -1224,12 +1224,10 @@ cudaError_t launch_moe_route(const DevLayer& L, const float* x, int n, const Dev
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || !select) return err;
-  // One warp per token where the logits fit 16 registers per lane and the choices and groups
-  // one lane each; otherwise one block per token.
-  if (L.top_k <= kWarp && L.n_group <= kWarp) {
+  if (selection_by_warps(L)) {
     if (L.router_outputs <= 4 * kWarp) return launch_route_warps<4>(L, n, group, ws, stream);
     if (L.router_outputs <= 8 * kWarp) return launch_route_warps<8>(L, n, group, ws, stream);
-    if (L.router_outputs <= 16 * kWarp) return launch_route_warps<16>(L, n, group, ws, stream);
+    return launch_route_warps<16>(L, n, group, ws, stream);
   }
   const size_t smem = 3 * static_cast<size_t>(L.router_outputs) * sizeof(float);
   err = allow_smem(moe_route_kernel, smem);

@@ -773,6 +773,12 @@ inline RouterLaunch router_launch(const DevLayer& L, int n) {
   return r;
 }
 
+// Whether a layer's selection runs on the route kernels of one warp per token or of one token
+// (launch_route_warps: the choices and groups one lane each, the logits at most 16 per lane); else
+// on one block per token, then a grouping kernel. The first two are launched while the router runs
+// (a programmatic dependent launch), their blocks waiting for its logits.
+inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_group <= 32 && L.router_outputs <= 16 * 32; }
+
 // The selection of one warp per token (moe_route_warps) runs ceil(n / 8) blocks of 8 warps. Past
 // one block, each block's choices must reach the block that groups them. Up to a cluster's portable
 // size (8 blocks, n <= 64) the grid is one thread-block cluster: after a cluster barrier block 0
