@@ -760,8 +760,9 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
     }
     layer.router = take(QuantMatrix::quantize(router, layer.router.rows, h, layer.router.spec));
     for (size_t e = period; e < layer.correction_bias.size(); ++e) layer.correction_bias[e] = layer.correction_bias[e % period];
-    // 9-64 tokens: the route kernel's blocks as one cluster (route_warps_clustered); 65: past it.
-    for (const int64_t n : {1, 2, 9, 40, 64, 65}) {
+    // 2-8 tokens past 128 outputs: a block per token, as one cluster (selection_block_per_token);
+    // 9-64 tokens: a warp per token, the blocks as one cluster (route_warps_clustered); 65: neither.
+    for (const int64_t n : {1, 2, 8, 9, 40, 64, 65}) {
       const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 60);
       std::vector<float> expected(tokens.size());
       ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
@@ -778,7 +779,7 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
       ++checked;
     }
   }
-  EXPECT_EQ(checked, 4 * 6);
+  EXPECT_EQ(checked, 4 * 7);
 }
 
 // The one-warp selection (cuda::route_token_warp) against the reference's, choice by choice. The
@@ -1929,6 +1930,21 @@ TEST(ExpertMajorSizing, SelectionByWarpsWhereEachLaneHoldsAChoiceAndAtMostSixtee
   EXPECT_FALSE(cuda::selection_by_warps(L));
   L.top_k = 8, L.n_group = 33;
   EXPECT_FALSE(cuda::selection_by_warps(L));
+}
+
+TEST(ExpertMajorSizing, UpToEightTokensSelectOnABlockEachPastOneHundredTwentyEightOutputs) {
+  cuda::DevLayer L;
+  L.top_k = 10, L.n_group = 1, L.router_outputs = 512;  // qwen3-next
+  for (const int n : {1, 2, 8}) EXPECT_TRUE(cuda::selection_block_per_token(L, n)) << n;
+  EXPECT_FALSE(cuda::selection_block_per_token(L, 9));
+  L.top_k = 8, L.n_group = 8, L.router_outputs = 256;  // DeepSeek-V3
+  EXPECT_TRUE(cuda::selection_block_per_token(L, 8));
+  L.router_outputs = 129;
+  EXPECT_TRUE(cuda::selection_block_per_token(L, 2));
+  L.top_k = 8, L.n_group = 1, L.router_outputs = 128;  // qwen3-30b: a warp per token
+  EXPECT_FALSE(cuda::selection_block_per_token(L, 2));
+  L.router_outputs = 520;  // past one warp: moe_route_kernel
+  EXPECT_FALSE(cuda::selection_block_per_token(L, 2));
 }
 
 TEST(ExpertMajorSizing, RouteKernelOfTwoToEightBlocksIsOneCluster) {

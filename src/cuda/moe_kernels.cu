@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
 // index at both steps (the tie rule of every backend). `smem` holds 2 (E + Z) floats: the scores,
 // then the keys for group-limited routing. The choices go to ws and to `ids` (shared memory).
 template <int kPerThread>
-__device__ void route_one_token_block(const DevLayer& L, const DevWorkspace& ws, float* smem, int* ids) {
+__device__ void route_one_token_block(const DevLayer& L, int t, const DevWorkspace& ws, float* smem, int* ids) {
   constexpr int kThreads = kRouteWarps * kWarp;
   __shared__ float parts[kRouteWarps];
   __shared__ uint32_t kept;
@@ -646,7 +646,7 @@ __device__ void route_one_token_block(const DevLayer& L, const DevWorkspace& ws,
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int e = threadIdx.x + kThreads * i;
-    score[i] = e < outputs ? ws.logits[e] : -INFINITY;
+    score[i] = e < outputs ? ws.logits[static_cast<int64_t>(t) * outputs + e] : -INFINITY;
     max_logit = fmaxf(max_logit, score[i]);
   }
   if (softmax) max_logit = block_reduce(max_logit, true);
@@ -722,36 +722,10 @@ __device__ void route_one_token_block(const DevLayer& L, const DevWorkspace& ws,
   const bool mine = lane < L.top_k;
   const float w = chosen_weight(L, mine ? scores[my_id] : 0.0f, mine);
   if (mine) {
-    ws.ids[lane] = my_id;
-    ws.weights[lane] = w;
+    ws.ids[t * L.top_k + lane] = my_id;
+    ws.weights[t * L.top_k + lane] = w;
     ids[lane] = my_id;
   }
-}
-
-// A call of one token selects on a whole block (moe_route_one_token) from this many logits per lane
-// of the one-warp selection (router outputs past 128). Measured on the H200 against one warp
-// (docs/PERF.md v3.18): 1.06-1.07x per call at qwen3-next's 512, 1.02-1.03x at DeepSeek-V3's 256,
-// 0.98x at qwen3-30b's 128 (from 4 logits per lane, a variant build).
-constexpr int kBlockSelectFromPerLane = 8;
-
-// Grid: 1 block of kRouteWarps warps, for a call of one token: its selection by the whole block
-// (route_one_token_block), then (group > 0) its grouping, by warp 0 where its routes fit one warp.
-// Dynamic shared memory: the selection's 2 (E + Z) floats, and group_routes' 2 x experts ints.
-template <int kPerLane>
-__global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_one_token(DevLayer L, int group, DevWorkspace ws) {
-  extern __shared__ float route_smem[];
-  allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
-  wait_for_prior_grid();     // the router's logits (launch_route_warps)
-  __shared__ int block_ids[kWarp];
-  constexpr int kPerThread = (kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp);
-  route_one_token_block<kPerThread>(L, ws, route_smem, block_ids);
-  if (group == 0) return;
-  if (L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {
-    if (threadIdx.x < kWarp) group_one_token(L, ws, block_ids);
-    return;
-  }
-  __syncthreads();
-  group_routes<kRouteWarps * kWarp, 1>(L, 1, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
 }
 
 // The number of blocks in this block's cluster (1 where the grid was launched without clusters).
@@ -769,6 +743,46 @@ __device__ __forceinline__ const T* cluster_block_address(const T* p, unsigned r
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<const T*>(out);
+}
+
+// Grid: one block of kRouteWarps warps per token (selection_block_per_token: up to 8 tokens), past
+// one token as one cluster. Each block selects its token (route_one_token_block); then (group > 0)
+// a call of one token is grouped by warp 0 where its routes fit one warp, any other by block 0,
+// which past one token gathers every block's choices from their shared memory after a cluster
+// barrier (the others wait at a second one until it has, so that their shared memory outlives its
+// reads). Dynamic shared memory: the selection's 2 (E + Z) floats; then group_routes' 2 x experts
+// ints, followed past one token by every token's choices.
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_token_blocks(DevLayer L, int n, int group,
+                                                                                DevWorkspace ws) {
+  extern __shared__ float route_smem[];
+  allow_dependent_launch();  // the gate_up (expert_major_early_gate_up)
+  wait_for_prior_grid();     // the router's logits (launch_route_warps)
+  __shared__ int block_ids[kWarp];
+  constexpr int kPerThread = (kPerLane * kWarp + kRouteWarps * kWarp - 1) / (kRouteWarps * kWarp);
+  route_one_token_block<kPerThread>(L, blockIdx.x, ws, route_smem, block_ids);
+  if (group == 0) return;
+  if (n == 1 && L.top_k + (L.has_shared ? 1 : 0) <= kWarp) {
+    if (threadIdx.x < kWarp) group_one_token(L, ws, block_ids);
+    return;
+  }
+  int* counts = reinterpret_cast<int*>(route_smem);
+  if (n == 1) {
+    __syncthreads();
+    group_routes<kRouteWarps * kWarp, 1>(L, 1, group, ws, counts, block_ids);
+    return;
+  }
+  int* ids = counts + 2 * (L.num_experts + (L.has_shared ? 1 : 0));
+  cluster_arrive_release();
+  cluster_wait();
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < n * L.top_k; i += blockDim.x) {
+      ids[i] = cluster_block_address(block_ids, i / L.top_k)[i % L.top_k];
+    }
+  }
+  cluster_arrive_release();
+  cluster_wait();
+  if (blockIdx.x == 0) group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
 }
 
 // Dynamic shared memory: per warp E + Z keys while selecting (group-limited routing only); then
@@ -1177,14 +1191,22 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = 1;
+  const auto as_cluster = [&] {
+    attributes[1].id = cudaLaunchAttributeClusterDimension;
+    attributes[1].val.clusterDim.x = config.gridDim.x;
+    attributes[1].val.clusterDim.y = 1;
+    attributes[1].val.clusterDim.z = 1;
+    config.numAttrs = 2;
+  };
   if constexpr (kPerLane >= kBlockSelectFromPerLane) {
-    if (n == 1) {
-      config.gridDim = dim3(1);
-      config.dynamicSmemBytes =
-          std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float), 2 * experts * sizeof(int));
-      const cudaError_t err = allow_smem(moe_route_one_token<kPerLane>, config.dynamicSmemBytes);
+    if (selection_block_per_token(L, n)) {
+      config.gridDim = dim3(n);
+      config.dynamicSmemBytes = std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float),
+                                         (2 * experts + (n > 1 ? static_cast<size_t>(n) * L.top_k : 0)) * sizeof(int));
+      const cudaError_t err = allow_smem(moe_route_token_blocks<kPerLane>, config.dynamicSmemBytes);
       if (err != cudaSuccess) return err;
-      return cudaLaunchKernelEx(&config, moe_route_one_token<kPerLane>, L, group, ws);
+      if (n > 1) as_cluster();
+      return cudaLaunchKernelEx(&config, moe_route_token_blocks<kPerLane>, L, n, group, ws);
     }
   }
   const bool clustered = route_warps_clustered(n);
@@ -1193,13 +1215,7 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
   config.dynamicSmemBytes = std::max(keys, counts);
   const cudaError_t err = allow_smem(moe_route_warps<kPerLane>, config.dynamicSmemBytes);
   if (err != cudaSuccess) return err;
-  if (clustered) {
-    attributes[1].id = cudaLaunchAttributeClusterDimension;
-    attributes[1].val.clusterDim.x = config.gridDim.x;
-    attributes[1].val.clusterDim.y = 1;
-    attributes[1].val.clusterDim.z = 1;
-    config.numAttrs = 2;
-  }
+  if (clustered) as_cluster();
   return cudaLaunchKernelEx(&config, moe_route_warps<kPerLane>, L, n, group, ws);
 }
 

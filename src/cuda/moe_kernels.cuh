@@ -773,11 +773,22 @@ inline RouterLaunch router_launch(const DevLayer& L, int n) {
   return r;
 }
 
-// Whether a layer's selection runs on the route kernels of one warp per token or of one token
-// (launch_route_warps: the choices and groups one lane each, the logits at most 16 per lane); else
-// on one block per token, then a grouping kernel. The first two are launched while the router runs
-// (a programmatic dependent launch), their blocks waiting for its logits.
+// Whether a layer's selection runs on the route kernels that select and group in one launch
+// (launch_route_warps: the choices and groups one lane each, the logits at most 16 per lane of one
+// warp); else on moe_route_kernel, then a grouping kernel. The first are launched while the router
+// runs (a programmatic dependent launch), their blocks waiting for its logits.
 inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_group <= 32 && L.router_outputs <= 16 * 32; }
+
+// Calls of up to 8 tokens whose logits take 8 or more per lane of one warp (router outputs past
+// 128) select on a whole block per token (moe_route_token_blocks), the grid one cluster past one
+// token; other calls on one warp per token (moe_route_warps). One token on a block rather than a
+// warp, measured on the H200 (docs/PERF.md v3.18): 1.06-1.07x per call at qwen3-next's 512 outputs,
+// 1.02-1.03x at DeepSeek-V3's 256, 0.98x at qwen3-30b's 128 (4 per lane, a variant build).
+inline constexpr int kBlockSelectFromPerLane = 8;
+inline constexpr int kRouteClusterMaxBlocks = 8;  // the portable cluster size
+inline bool selection_block_per_token(const DevLayer& L, int n) {
+  return selection_by_warps(L) && L.router_outputs > kBlockSelectFromPerLane / 2 * 32 && n <= kRouteClusterMaxBlocks;
+}
 
 // The selection of one warp per token (moe_route_warps) runs ceil(n / 8) blocks of 8 warps. Past
 // one block, each block's choices must reach the block that groups them. Up to a cluster's portable
@@ -785,7 +796,6 @@ inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_
 // reads every block's choices from its shared memory. Larger grids count their finished blocks
 // through a fence and a counter in global memory, and the last one reads the choices from L2.
 inline constexpr int kRouteWarps = 8;
-inline constexpr int kRouteClusterMaxBlocks = 8;
 __host__ __device__ constexpr int route_warps_blocks(int n) { return (n + kRouteWarps - 1) / kRouteWarps; }
 __host__ __device__ constexpr bool route_warps_clustered(int n) {
   return route_warps_blocks(n) > 1 && route_warps_blocks(n) <= kRouteClusterMaxBlocks;
