@@ -601,16 +601,8 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_routes(DevLayer L, in
   group_routes<kGroupThreads>(L, n, group, ws, counts);
 }
 
-// Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) one block groups the
-// routes of all tokens. One launch, no block-wide barrier inside a token's selection. A grid of
-// one block (n <= 8) groups at once, from its choices in shared memory: no fence, no counter, no L2
-// round trip for the ids; one token, by its own warp (group_one_token). A grid of 2-8 blocks runs
-// as one cluster (route_warps_clustered): block 0 gathers the others' choices from their shared
-// memory after a cluster barrier. Larger grids: the last block to finish groups, reading the
-// choices from L2.
-
-// The selection of DESIGN.md section 2 for a call's only token by a whole block of kRouteWarps
-// warps, so that each step's chain is an eighth of one warp's: thread i holds experts i, i + 256,
+// The selection of DESIGN.md section 2 for token t by a whole block of kRouteWarps warps, so that
+// each step's chain is an eighth of one warp's: thread i holds experts i, i + 256,
 // ... (kPerThread of them). Max and sum go through shared memory (every thread adds the warps'
 // parts in warp order, so all get the same values); each warp then finds its own experts' top k,
 // sorted, and warp 0 merges the 8 lists, one head per lane. Equal keys go to the lower expert
@@ -745,13 +737,29 @@ __device__ __forceinline__ const T* cluster_block_address(const T* p, unsigned r
   return reinterpret_cast<const T*>(out);
 }
 
+// In a grid that is one cluster, once each block holds its tokens' choices in `block_ids`
+// (`per_block` of them, token by token; the first block's tokens come first): block 0 copies all
+// n top_k of them into `ids` (its own shared memory), and every block waits at a second cluster
+// barrier until it has, so that their shared memory outlives its reads. True in block 0.
+__device__ bool gather_cluster_choices(const DevLayer& L, int n, const int* block_ids, int per_block, int* ids) {
+  cluster_arrive_release();
+  cluster_wait();
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < n * L.top_k; i += blockDim.x) {
+      ids[i] = cluster_block_address(block_ids, i / per_block)[i % per_block];
+    }
+  }
+  cluster_arrive_release();
+  cluster_wait();
+  return blockIdx.x == 0;
+}
+
 // Grid: one block of kRouteWarps warps per token (selection_block_per_token: up to 8 tokens), past
 // one token as one cluster. Each block selects its token (route_one_token_block); then (group > 0)
 // a call of one token is grouped by warp 0 where its routes fit one warp, any other by block 0,
-// which past one token gathers every block's choices from their shared memory after a cluster
-// barrier (the others wait at a second one until it has, so that their shared memory outlives its
-// reads). Dynamic shared memory: the selection's 2 (E + Z) floats; then group_routes' 2 x experts
-// ints, followed past one token by every token's choices.
+// which past one token gathers every block's choices first (gather_cluster_choices). Dynamic
+// shared memory: the selection's 2 (E + Z) floats; then group_routes' 2 x experts ints, followed
+// past one token by every token's choices.
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_token_blocks(DevLayer L, int n, int group,
                                                                                 DevWorkspace ws) {
@@ -773,18 +781,18 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_token_blocks
     return;
   }
   int* ids = counts + 2 * (L.num_experts + (L.has_shared ? 1 : 0));
-  cluster_arrive_release();
-  cluster_wait();
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < n * L.top_k; i += blockDim.x) {
-      ids[i] = cluster_block_address(block_ids, i / L.top_k)[i % L.top_k];
-    }
+  if (gather_cluster_choices(L, n, block_ids, L.top_k, ids)) {
+    group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
   }
-  cluster_arrive_release();
-  cluster_wait();
-  if (blockIdx.x == 0) group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
 }
 
+// Grid: ceil(n / 8) blocks of 8 warps, one token per warp; then (group > 0) one block groups the
+// routes of all tokens. One launch, no block-wide barrier inside a token's selection. A grid of
+// one block (n <= 8) groups at once, from its choices in shared memory: no fence, no counter, no L2
+// round trip for the ids; one token, by its own warp (group_one_token). A grid of 2-8 blocks runs
+// as one cluster (route_warps_clustered): block 0 gathers the others' choices from their shared
+// memory after a cluster barrier. Larger grids: the last block to finish groups, reading the
+// choices from L2.
 // Dynamic shared memory: per warp E + Z keys while selecting (group-limited routing only); then
 // group_routes' 2 (E + shared) counts, followed in a clustered grid by every token's choices.
 template <int kPerLane>
@@ -812,22 +820,12 @@ __global__ void __launch_bounds__(kRouteWarps * kWarp, 1) moe_route_warps(DevLay
     group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, reinterpret_cast<int*>(route_smem), block_ids);
     return;
   }
-  if (clustered) {
-    // Block 0 copies every block's choices past its counts; the others wait at a second barrier
-    // until it has, so that their shared memory outlives its reads.
-    cluster_arrive_release();
-    cluster_wait();
+  if (clustered) {  // block 0 groups, from every block's choices copied past its counts
     int* counts = reinterpret_cast<int*>(route_smem);
     int* ids = counts + 2 * (L.num_experts + (L.has_shared ? 1 : 0));
-    if (blockIdx.x == 0) {
-      const int per_block = kRouteWarps * L.top_k;
-      for (int i = threadIdx.x; i < n * L.top_k; i += blockDim.x) {
-        ids[i] = cluster_block_address(block_ids, i / per_block)[i % per_block];
-      }
+    if (gather_cluster_choices(L, n, block_ids, kRouteWarps * L.top_k, ids)) {
+      group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
     }
-    cluster_arrive_release();
-    cluster_wait();
-    if (blockIdx.x == 0) group_routes<kRouteWarps * kWarp, 1>(L, n, group, ws, counts, ids);
     return;
   }
   // Publish this block's choices, then count finished blocks; the last one sees them all.
@@ -1175,9 +1173,9 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-// The route kernels of one warp per token and of one token, launched while the router runs (a
-// programmatic dependent launch: their blocks wait for its end and its logits before they read
-// them), and the grid of 2-8 blocks as one cluster (route_warps_clustered).
+// The route kernels of a block per token (selection_block_per_token) or a warp per token, launched
+// while the router runs (a programmatic dependent launch: their blocks wait for its end and its
+// logits before they read them); a grid of 2-8 blocks as one cluster.
 template <int kPerLane>
 cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWorkspace& ws,
                                cudaStream_t stream) {

@@ -783,7 +783,9 @@ inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_
 // 128) select on a whole block per token (moe_route_token_blocks), the grid one cluster past one
 // token; other calls on one warp per token (moe_route_warps). One token on a block rather than a
 // warp, measured on the H200 (docs/PERF.md v3.18): 1.06-1.07x per call at qwen3-next's 512 outputs,
-// 1.02-1.03x at DeepSeek-V3's 256, 0.98x at qwen3-30b's 128 (4 per lane, a variant build).
+// 1.02-1.03x at DeepSeek-V3's 256, 0.98x at qwen3-30b's 128 (4 per lane, a variant build). 2-8
+// tokens on a block each against a warp each, on an H100 (v3.42): 1.03-1.06x per call at
+// qwen3-next, 1.01-1.02x at DeepSeek-V3.
 inline constexpr int kBlockSelectFromPerLane = 8;
 inline constexpr int kRouteClusterMaxBlocks = 8;  // the portable cluster size
 inline bool selection_block_per_token(const DevLayer& L, int n) {
