@@ -760,9 +760,10 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
     }
     layer.router = take(QuantMatrix::quantize(router, layer.router.rows, h, layer.router.spec));
     for (size_t e = period; e < layer.correction_bias.size(); ++e) layer.correction_bias[e] = layer.correction_bias[e % period];
-    // 2-8 tokens past 128 outputs: a block per token, as one cluster (selection_block_per_token);
-    // 9-64 tokens: a warp per token, the blocks as one cluster (route_warps_clustered); 65: neither.
-    for (const int64_t n : {1, 2, 8, 9, 40, 64, 65}) {
+    // 2-8 tokens past 128 outputs, or up to 16 where the device runs clusters of 16: a block per
+    // token, as one cluster (selection_block_per_token); else up to 64 tokens a warp per token, the
+    // blocks as one cluster (route_warps_clustered); 65: neither.
+    for (const int64_t n : {1, 2, 8, 9, 16, 40, 64, 65}) {
       const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 60);
       std::vector<float> expected(tokens.size());
       ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
@@ -779,7 +780,27 @@ TEST_F(Cuda, SelectionBreaksTiesByTheLowerIndex) {
       ++checked;
     }
   }
-  EXPECT_EQ(checked, 4 * 7);
+  EXPECT_EQ(checked, 4 * 8);
+}
+
+// Hopper runs clusters of up to 16 blocks (past the portable 8) when a kernel allows them: the
+// route kernel of a block per token then takes calls of up to 16 tokens.
+TEST_F(Cuda, RouteKernelOfABlockPerTokenTakesSixteenTokensOnHopper) {
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  for (const int outputs : {256, 512}) {
+    cuda::DevLayer L;
+    L.num_experts = outputs, L.router_outputs = outputs, L.top_k = 8, L.n_group = 1, L.has_shared = true;
+    int tokens = 0;
+    ASSERT_EQ(cuda::route_token_blocks_max(L, &tokens), cudaSuccess);
+    EXPECT_EQ(tokens, prop.major == 9 ? 16 : tokens) << outputs << " outputs";
+    EXPECT_TRUE(tokens == 8 || tokens == 16) << tokens;
+  }
+  cuda::DevLayer narrow;  // one warp per token: no cluster of token blocks
+  narrow.num_experts = 128, narrow.router_outputs = 128, narrow.top_k = 8, narrow.n_group = 1;
+  int tokens = 0;
+  ASSERT_EQ(cuda::route_token_blocks_max(narrow, &tokens), cudaSuccess);
+  EXPECT_EQ(tokens, 8);
 }
 
 // The one-warp selection (cuda::route_token_warp) against the reference's, choice by choice. The
@@ -1937,6 +1958,10 @@ TEST(ExpertMajorSizing, UpToEightTokensSelectOnABlockEachPastOneHundredTwentyEig
   L.top_k = 10, L.n_group = 1, L.router_outputs = 512;  // qwen3-next
   for (const int n : {1, 2, 8}) EXPECT_TRUE(cuda::selection_block_per_token(L, n)) << n;
   EXPECT_FALSE(cuda::selection_block_per_token(L, 9));
+  L.route_token_blocks = 16;  // a device that runs clusters of 16 blocks
+  EXPECT_TRUE(cuda::selection_block_per_token(L, 16));
+  EXPECT_FALSE(cuda::selection_block_per_token(L, 17));
+  L.route_token_blocks = 8;
   L.top_k = 8, L.n_group = 8, L.router_outputs = 256;  // DeepSeek-V3
   EXPECT_TRUE(cuda::selection_block_per_token(L, 8));
   L.router_outputs = 129;

@@ -425,6 +425,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.swiglu_limit = d.swiglu_limit;
   L.sm_count = prop.multiProcessorCount;
   MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::blend_resident_per_sm(&L.blend_resident), "blend occupancy"));
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cuda::route_token_blocks_max(L, &L.route_token_blocks), "route cluster size"));
   L.staged = options.staged ? static_cast<int8_t>(*options.staged) : int8_t{-1};
   L.staged_passes = options.staged_passes ? static_cast<int8_t>(*options.staged_passes) : int8_t{0};
   L.staged_ahead = options.staged_ahead ? static_cast<int8_t>(*options.staged_ahead) : int8_t{0};

@@ -754,7 +754,7 @@ __device__ bool gather_cluster_choices(const DevLayer& L, int n, const int* bloc
   return blockIdx.x == 0;
 }
 
-// Grid: one block of kRouteWarps warps per token (selection_block_per_token: up to 8 tokens), past
+// Grid: one block of kRouteWarps warps per token (selection_block_per_token: up to 8 or 16 tokens), past
 // one token as one cluster. Each block selects its token (route_one_token_block); then (group > 0)
 // a call of one token is grouped by warp 0 where its routes fit one warp, any other by block 0,
 // which past one token gathers every block's choices first (gather_cluster_choices). Dynamic
@@ -1149,6 +1149,53 @@ cudaError_t blend_resident_per_sm(int* blocks) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, moe_blend<true>, 256, 0);
 }
 
+namespace {
+
+// moe_route_token_blocks' dynamic shared memory for n tokens (see the kernel).
+size_t route_token_blocks_smem(const DevLayer& L, int n) {
+  const size_t experts = static_cast<size_t>(L.num_experts) + (L.has_shared ? 1 : 0);
+  return std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float),
+                  (2 * experts + (n > 1 ? static_cast<size_t>(n) * L.top_k : 0)) * sizeof(int));
+}
+
+template <int kPerLane>
+cudaError_t route_token_blocks_max(const DevLayer& L, int* tokens) {
+  const auto kernel = moe_route_token_blocks<kPerLane>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) {  // no clusters past 8 here
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kRouteTokenBlocksMax;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kRouteTokenBlocksMax);
+  config.blockDim = dim3(kRouteWarps * kWarp);
+  config.dynamicSmemBytes = route_token_blocks_smem(L, kRouteTokenBlocksMax);
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (err != cudaSuccess) {  // this size is not allowed here: stay at the portable one
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  if (clusters > 0) *tokens = kRouteTokenBlocksMax;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t route_token_blocks_max(const DevLayer& L, int* tokens) {
+  *tokens = kRouteClusterMaxBlocks;
+  if (!selection_by_warps(L) || L.router_outputs <= kBlockSelectFromPerLane / 2 * kWarp) return cudaSuccess;
+  return L.router_outputs <= 8 * kWarp ? route_token_blocks_max<8>(L, tokens) : route_token_blocks_max<16>(L, tokens);
+}
+
 cudaError_t launch_moe_blend(const DevLayer& L, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream) {
   const dim3 grid((L.hidden + 255) / 256, n);
@@ -1199,8 +1246,7 @@ cudaError_t launch_route_warps(const DevLayer& L, int n, int group, const DevWor
   if constexpr (kPerLane >= kBlockSelectFromPerLane) {
     if (selection_block_per_token(L, n)) {
       config.gridDim = dim3(n);
-      config.dynamicSmemBytes = std::max(2 * static_cast<size_t>(L.router_outputs) * sizeof(float),
-                                         (2 * experts + (n > 1 ? static_cast<size_t>(n) * L.top_k : 0)) * sizeof(int));
+      config.dynamicSmemBytes = route_token_blocks_smem(L, n);
       const cudaError_t err = allow_smem(moe_route_token_blocks<kPerLane>, config.dynamicSmemBytes);
       if (err != cudaSuccess) return err;
       if (n > 1) as_cluster();

@@ -62,6 +62,7 @@ struct DevLayer {
   float swiglu_limit = 7.0f;
   int32_t sm_count = 0;  // of the device: sizes the choice of expert-major kernels
   int32_t blend_resident = 0;  // blocks of the loads-first blend an SM holds (blend_loads_first)
+  int32_t route_token_blocks = 8;  // calls of up to this many tokens may select on a block each (route_token_blocks_max)
   int8_t staged = -1;    // staged expert-major kernels: 1 forced, 0 forbidden, -1 chosen per call
   int8_t staged_passes = 0;  // 64-row passes per staged down block: 1, 2 or 4 forced, 0 chosen per call
   int8_t staged_ahead = 0;   // chunks ahead of their MMAs that staged NVFP4 loops load: 1 or 2 forced, 0 chosen
@@ -786,10 +787,13 @@ inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_
 // 1.02-1.03x at DeepSeek-V3's 256, 0.98x at qwen3-30b's 128 (4 per lane, a variant build). 2-8
 // tokens on a block each against a warp each, on an H100 (v3.42): 1.03-1.06x per call at
 // qwen3-next, 1.01-1.02x at DeepSeek-V3.
+// Up to 16 tokens where the device schedules a cluster of 16 blocks (L.route_token_blocks, from
+// route_token_blocks_max: a size past the portable 8, which Hopper allows), else up to 8.
 inline constexpr int kBlockSelectFromPerLane = 8;
-inline constexpr int kRouteClusterMaxBlocks = 8;  // the portable cluster size
+inline constexpr int kRouteClusterMaxBlocks = 8;   // the portable cluster size
+inline constexpr int kRouteTokenBlocksMax = 16;    // Hopper's largest (non-portable) cluster
 inline bool selection_block_per_token(const DevLayer& L, int n) {
-  return selection_by_warps(L) && L.router_outputs > kBlockSelectFromPerLane / 2 * 32 && n <= kRouteClusterMaxBlocks;
+  return selection_by_warps(L) && L.router_outputs > kBlockSelectFromPerLane / 2 * 32 && n <= L.route_token_blocks;
 }
 
 // The selection of one warp per token (moe_route_warps) runs ceil(n / 8) blocks of 8 warps. Past
@@ -867,6 +871,10 @@ inline bool blend_aligned(int hidden, const float* x, const float* out) {
 }
 // The blocks of 256 threads of the loads-first blend that one SM of the current device holds.
 cudaError_t blend_resident_per_sm(int* blocks);
+// The most tokens of L's calls that select on a block each (selection_block_per_token):
+// kRouteTokenBlocksMax where this device can run that many blocks of the route kernel as one
+// cluster (it allows the kernel clusters past the portable size first), else kRouteClusterMaxBlocks.
+cudaError_t route_token_blocks_max(const DevLayer& L, int* tokens);
 cudaError_t launch_moe_blend(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws, float* out,
                              cudaStream_t stream);
 cudaError_t launch_moe_per_row(const DevLayer& layer, const float* x, int n, const DevWorkspace& ws,
