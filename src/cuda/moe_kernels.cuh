@@ -788,7 +788,9 @@ inline bool selection_by_warps(const DevLayer& L) { return L.top_k <= 32 && L.n_
 // tokens on a block each against a warp each, on an H100 (v3.42): 1.03-1.06x per call at
 // qwen3-next, 1.01-1.02x at DeepSeek-V3.
 // Up to 16 tokens where the device schedules a cluster of 16 blocks (L.route_token_blocks, from
-// route_token_blocks_max: a size past the portable 8, which Hopper allows), else up to 8.
+// route_token_blocks_max: a size past the portable 8, which Hopper allows), else up to 8; 9-16
+// tokens on a block each against a warp each, on an H100 (v3.43): 1.03-1.06x per call at qwen3-next,
+// 1.01x at DeepSeek-V3.
 inline constexpr int kBlockSelectFromPerLane = 8;
 inline constexpr int kRouteClusterMaxBlocks = 8;   // the portable cluster size
 inline constexpr int kRouteTokenBlocksMax = 16;    // Hopper's largest (non-portable) cluster
