@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <tuple>
@@ -595,6 +596,94 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
   EXPECT_GT(split, 0) << "no early call ran a split-K down kernel";
   EXPECT_GT(staged, 0) << "no early call ran a staged down";
   EXPECT_GT(sliced, 0) << "no early call ran a down staged in slices";
+}
+
+// The staged down's items started as their gate_up finishes (cuda::expert_major_item_release):
+// each gate_up warp counts the tiles of activations it stored per item, and each down block, launched
+// during gate_up, waits for its item's count instead of gate_up's grid. Forced off, then on (the
+// down early in both), from poisoned buffers: within 1e-2 of the reference, and on, bit for bit the
+// off call (the same kernels and sums: only when a down block starts differs), its graph's replays
+// with other tokens matching too. Shapes: a ragged DeepSeek-V3 one (176 gate rows: 11 tiles, a part
+// 64-row block), an aligned Qwen3-Next one (gated shared expert), one whose down stages in slices
+// (I = 3200), with the staged kernels forced, at N = 24, 48 (two token tiles) and 130; and three of
+// H = 3072 (past the whole-K staging) by default, whose gate_up runs split-K before the staged down:
+// 16 rows per block (I = 256, N = 48), two token tiles (I = 128, N = 64), 32 rows per block (I = 512,
+// N = 48, NVFP4 only: the largest layer).
+TEST_F(Cuda, ItemReleaseMatchesTheReference) {
+  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                              .top_k = 4, .shared_intermediate = 144,
+                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
+                                                            .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
+                                                               .top_k = 2});
+  const LayerDesc split = family_layer(Family::kQwen3Moe, {.hidden = 3072, .intermediate = 256, .num_experts = 32,
+                                                           .top_k = 4});
+  const LayerDesc split_tiles = family_layer(Family::kQwen3Moe, {.hidden = 3072, .intermediate = 128, .num_experts = 32,
+                                                                 .top_k = 8});
+  const LayerDesc split_wide = family_layer(Family::kQwen3Moe, {.hidden = 3072, .intermediate = 512, .num_experts = 64,
+                                                                .top_k = 4});
+  const std::vector<QuantSpec> every = {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                        QuantSpec{WeightFormat::kBF16}};
+  struct Case {
+    const LayerDesc* d;
+    std::vector<int64_t> ns;
+    std::optional<bool> staged;
+    std::vector<QuantSpec> specs;
+  };
+  int checked = 0, sliced = 0, two_tiles = 0, split_gate_up = 0, wide_gate_up = 0;
+  for (const Case& c : {Case{&ragged, {24, 48, 130}, true, every}, Case{&gated, {24, 48, 130}, true, every},
+                        Case{&long_down, {24, 48}, true, every}, Case{&split, {48}, std::nullopt, every},
+                        Case{&split_tiles, {64}, std::nullopt, every},
+                        Case{&split_wide, {48}, std::nullopt, {QuantSpec{WeightFormat::kNVFP4}}}}) {
+    const LayerDesc& d = *c.d;
+    for (const QuantSpec spec : c.specs) {
+      const Layer layer = take(make_synthetic_layer(d, spec, 29));
+      for (const int64_t n : c.ns) {
+        const int64_t h = d.hidden;
+        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 29);
+        std::vector<float> expected(tokens.size());
+        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
+        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        x.put(tokens);
+        std::vector<float> off;
+        for (const bool release : {false, true}) {
+          CudaMoeOptions options;
+          options.path = PathKind::kExpertMajor;
+          options.staged = c.staged;
+          options.shared_apart = false;
+          options.mixed_tiles = false;
+          options.early_gate_up = false;
+          options.early_down = true;
+          options.item_release = release;
+          const std::string what = fmt::format("{}, {}, n {}, item release {}", describe_shape(d), quant_spec_name(spec),
+                                               n, release ? "on" : "off");
+          std::unique_ptr<CudaMoe> moe;
+          std::string config;
+          std::vector<float> got;
+          ASSERT_NO_FATAL_FAILURE(option_forward(layer, n, options, "(each item once its gate_up is stored)", release,
+                                                 what, x, out, expected, moe, config, got));
+          ASSERT_NE(config.find("down staged"), std::string::npos) << what << ": " << config;
+          if (!release) {
+            off = got;
+            continue;
+          }
+          EXPECT_EQ(got, off) << what;
+          sliced += config.find("down staged+slices") != std::string::npos ? 1 : 0;
+          two_tiles += config.find("16 routes/item") != std::string::npos ? 1 : 0;
+          split_gate_up += config.find("gate_up split-K,") != std::string::npos ? 1 : 0;
+          wide_gate_up += config.find("gate_up split-K (32 rows)") != std::string::npos ? 1 : 0;
+          ASSERT_NO_FATAL_FAILURE(expect_captured_replays_match(*moe, layer, x, out, n)) << what;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * (3 + 3 + 2 + 1 + 1) + 1);  // formats x (shape, N)
+  EXPECT_GT(sliced, 0) << "no call released the items of a down staged in slices";
+  EXPECT_GT(two_tiles, 0) << "no call released items of two token tiles";
+  EXPECT_EQ(split_gate_up, 2 * 3) << "calls that released items after a split-K gate_up of 16 rows";
+  EXPECT_EQ(wide_gate_up, 1) << "calls that released items after the split-K gate_up of 32 rows";
 }
 
 // The gate_up launched during routing (cuda::expert_major_early_gate_up): its blocks wait for the
@@ -1777,6 +1866,41 @@ TEST(ExpertMajorSizing, SharedExpertApartByShapeAndTokens) {
   qwen.has_shared = false;
   EXPECT_EQ(apart(qwen, 1), "-");
   EXPECT_EQ(apart(qwen, 64), "-");
+}
+
+// Which calls start the down's items as their gate_up finishes (expert_major_item_release): an early
+// down that is staged; never where the mode forbids it.
+TEST(ExpertMajorSizing, ItemReleaseWhereTheDownIsEarlyAndStaged) {
+  const auto release = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).item_release; };
+  cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
+  qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8;
+  qwen.router_outputs = 128, qwen.sm_count = 132;
+  qwen.down_path = cuda::kPathNvfp4Tiled;
+  EXPECT_FALSE(release(qwen, 1));  // the gate_up selects: no early down
+  ASSERT_GT(cuda::expert_major_launch(qwen, 8).down_blend_ways, 0);
+  EXPECT_FALSE(release(qwen, 8));  // the fused down and blend: every item in every block
+  const cuda::ExpertMajorLaunch q64 = cuda::expert_major_launch(qwen, 64);
+  ASSERT_TRUE(q64.staged_down && q64.early_down);
+  EXPECT_TRUE(q64.item_release);
+  EXPECT_TRUE(release(qwen, 256));  // two token tiles
+  qwen.early_down = 0;
+  EXPECT_FALSE(release(qwen, 64));  // no early down
+  qwen.early_down = -1;
+  qwen.item_release = 0;
+  EXPECT_FALSE(release(qwen, 64));
+  cuda::DevLayer ds;  // DeepSeek-V3: 256 experts + shared, top-8, H 7168, I 2048
+  ds.hidden = 7168, ds.act_stride = 2048, ds.num_experts = 256, ds.top_k = 8, ds.has_shared = true;
+  ds.router_outputs = 256, ds.sm_count = 132;
+  ds.routed_expert_bytes = ds.shared_expert_bytes = 24772620;
+  const cuda::ExpertMajorLaunch d4 = cuda::expert_major_launch(ds, 4);
+  ASSERT_TRUE(d4.staged_down && d4.shared_apart);
+  EXPECT_FALSE(d4.item_release);  // the shared expert apart: no early down
+  const cuda::ExpertMajorLaunch d16 = cuda::expert_major_launch(ds, 16);
+  ASSERT_TRUE(d16.staged_down && !d16.staged_gate_up);
+  EXPECT_TRUE(d16.item_release);  // after a split-K gate_up
+  const cuda::ExpertMajorLaunch d64 = cuda::expert_major_launch(ds, 64);
+  ASSERT_TRUE(d64.mixed);
+  EXPECT_FALSE(d64.item_release);  // two chains of launches: no early down
 }
 
 // Which calls launch their down during gate_up (expert_major_early_down): a gate_up that does not

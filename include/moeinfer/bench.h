@@ -65,6 +65,9 @@ struct BenchConfig {
   std::optional<bool> early_gate_up;
   // The down launched during gate_up, forced on or off (CudaMoeOptions::early_down).
   std::optional<bool> early_down;
+  // The staged down's items started as their gate_up finishes, forced on or off
+  // (CudaMoeOptions::item_release).
+  std::optional<bool> item_release;
   // The router's logits on the tensor cores, forced on or off (CudaMoeOptions::router_mma).
   std::optional<bool> router_mma;
   // Expert weights in tiles where they fit, forced on or off (CudaMoeOptions::weight_tiles).

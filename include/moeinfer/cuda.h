@@ -65,6 +65,11 @@ struct CudaMoeOptions {
   // their first weights before they wait for gate_up's activations (cuda::expert_major_early_down);
   // false launches it after gate_up ends.
   std::optional<bool> early_down = std::nullopt;
+  // Expert-major calls whose down is staged and launched during gate_up: true or nullopt lets each
+  // down block start on its work item as soon as that item's gate_up blocks have stored its
+  // activations (a count per item, cuda::expert_major_item_release), not when gate_up's whole grid
+  // ends; false makes every down block wait for the grid.
+  std::optional<bool> item_release = std::nullopt;
   // The router's logits on the tensor cores (x split into three bf16 parts, fp32 sums): true
   // forces them for calls of up to 512 tokens (larger ones run the CUDA-core kernels), false
   // forbids them; nullopt runs them from 16 tokens where their grid holds 3/8 of a block per SM.

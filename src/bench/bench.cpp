@@ -228,6 +228,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
                                    .shared_apart = cfg.shared_apart,
                                    .early_gate_up = cfg.early_gate_up,
                                    .early_down = cfg.early_down,
+                                   .item_release = cfg.item_release,
                                    .router_mma = cfg.router_mma,
                                    .weight_tiles = cfg.weight_tiles};
       Result<std::unique_ptr<CudaMoe>> made = CudaMoe::create(*layer, max_n, options, [&](int64_t e, int64_t all) {
@@ -319,6 +320,7 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
         forced("shared apart", cfg.shared_apart);
         forced("early gate_up", cfg.early_gate_up);
         forced("early down", cfg.early_down);
+        forced("item release", cfg.item_release);
         forced("router mma", cfg.router_mma);
         forced("weight tiles", cfg.weight_tiles);
         row.time_us = time_us;

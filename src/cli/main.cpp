@@ -173,6 +173,7 @@ struct BenchOptions {
   std::string shared_apart = "auto";
   std::string early_gate_up = "auto";
   std::string early_down = "auto";
+  std::string item_release = "auto";
   std::string router_mma = "auto";
   std::string weight_tiles = "auto";
   std::string out = "bench-out";
@@ -268,6 +269,7 @@ int bench_command(const BenchOptions& opt) {
                            cuda_switch("--shared-apart", opt.shared_apart, cfg.backend, cfg.shared_apart),
                            cuda_switch("--early-gate-up", opt.early_gate_up, cfg.backend, cfg.early_gate_up),
                            cuda_switch("--early-down", opt.early_down, cfg.backend, cfg.early_down),
+                           cuda_switch("--item-release", opt.item_release, cfg.backend, cfg.item_release),
                            cuda_switch("--router-mma", opt.router_mma, cfg.backend, cfg.router_mma),
                            cuda_switch("--weight-tiles", opt.weight_tiles, cfg.backend, cfg.weight_tiles)}) {
     if (!st.ok()) return fail(st);
@@ -598,6 +600,11 @@ int main(int argc, char** argv) {
                         "CUDA expert-major calls on one stream whose gate_up does not select: the down launched while "
                         "gate_up's last blocks run, loading its first weights before it waits (auto and on), or after "
                         "gate_up ends (off)")
+      ->capture_default_str();
+  bench_cmd->add_option("--item-release", bench.item_release,
+                        "CUDA expert-major calls whose staged down is launched during gate_up: each down block starts "
+                        "once its item's gate_up blocks have stored their activations (auto and on), or once gate_up's "
+                        "whole grid has ended (off)")
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "

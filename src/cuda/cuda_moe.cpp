@@ -273,8 +273,9 @@ std::string CudaMoe::call_config(int64_t n) const {
       call.shared_apart ? fmt::format("; shared expert beside the router ({})",
                                       kernels(cuda::expert_major_shared_launch(L, call, static_cast<int>(n))))
                         : std::string();
-  const std::string early = fmt::format("{}{}", call.early_gate_up ? "; gate_up launched during routing" : "",
-                                        call.early_down ? "; down launched during gate_up" : "");
+  const std::string early = fmt::format("{}{}{}", call.early_gate_up ? "; gate_up launched during routing" : "",
+                                        call.early_down ? "; down launched during gate_up" : "",
+                                        call.item_release ? " (each item once its gate_up is stored)" : "");
   return fmt::format("{}{}{}{}; {}; {}", kernels(call), early, hot, shared, layout, router);
 }
 
@@ -433,6 +434,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   L.shared_apart = options.shared_apart ? static_cast<int8_t>(*options.shared_apart) : int8_t{-1};
   L.early_gate_up = options.early_gate_up ? static_cast<int8_t>(*options.early_gate_up) : int8_t{-1};
   L.early_down = options.early_down ? static_cast<int8_t>(*options.early_down) : int8_t{-1};
+  L.item_release = options.item_release ? static_cast<int8_t>(*options.item_release) : int8_t{-1};
   L.routed_expert_bytes = layer.routed_expert_bytes();
   L.shared_expert_bytes = layer.shared ? layer.shared->bytes() : 0;
   L.nvfp4 = std::any_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
@@ -494,6 +496,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   const int64_t items_bytes = int64_t{cuda::expert_major_item_capacity(static_cast<int>(routes), table_size)} * 16;
   Result<void*> items = alloc(items_bytes);
   Result<void*> num_items = alloc(8);  // the one-tile items' count, and a mixed call's hot items'
+  const int64_t item_counts_bytes = items_bytes / 16 * 4;
+  Result<void*> item_tiles_done = alloc(item_counts_bytes);
   Result<void*> blocks_done = alloc(4);
   // The shared expert's own chain (cuda::expert_major_shared_apart): its items, count, route list
   // and bf16 x, where this rank runs it.
@@ -511,7 +515,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
             cuda::kRouterMmaRows * 4);
   Result<void*> router_done = alloc(router_counters * 4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
-                                 &num_items, &blocks_done, &router_partials, &router_done, &apart_items, &apart_count,
+                                 &num_items, &item_tiles_done, &blocks_done, &router_partials, &router_done, &apart_items, &apart_count,
                                  &apart_routes, &apart_x}) {
     if (!r->ok()) return r->status();
   }
@@ -520,6 +524,9 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   impl->ws.route_list = static_cast<int32_t*>(*route_list);
   impl->ws.items = static_cast<int4*>(*items);
   impl->ws.num_items = static_cast<int32_t*>(*num_items);
+  impl->ws.item_tiles_done = static_cast<int32_t*>(*item_tiles_done);
+  MOEINFER_RETURN_IF_ERROR(
+      cuda_status(cudaMemset(*item_tiles_done, 0, static_cast<size_t>(item_counts_bytes)), "cudaMemset"));
   MOEINFER_RETURN_IF_ERROR(create_side_stream(impl->side));
   if (L.has_shared) {
     cuda::SharedApart& apart = impl->shared;

@@ -455,8 +455,7 @@ __device__ void mma_rows_sliced(const LaneRows<kMats, kTiles>& rows, int K, int 
   };
   Chunk<F, V, kMats, kTiled> even, odd;
   if (chunks > 0) load_chunk<F, V, kMats, kTiles, kAligned16, true, false, true, kTiled>(rows, 0, even);
-  wait_for_prior_grid();  // the first weights before, the activations after (expert_major_early_down)
-  stage(0);
+  stage(0);  // waits for the activations first (item_sums): the first weights before, the copies after
   if (slices > 1) {
     stage(1);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -549,8 +548,7 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
     }
   }
   if constexpr (kStaged) {
-    wait_for_prior_grid();
-    if (stage()) {
+    if (stage()) {  // waits for the activations first (item_sums)
       asm volatile("cp.async.wait_all;" ::: "memory");
       __syncthreads();
     }
@@ -836,17 +834,33 @@ __device__ __forceinline__ void item_sums(const DevLayer& L, int n, const DevWor
     }
   }
   const int per_column = kTiles == 1 ? kStagersPerColumn : kWarps * kWarp / (kTile * tiles);
+  // Before a staged block copies its activations, after its first weights are requested: a down
+  // whose items start as their gate_up finishes (ws.item_release) waits for its item's tiles, any
+  // other kernel for the kernel before it (a no-op where that ended before this one started).
+  const auto wait_inputs = [&] {
+    if constexpr (!kGateUp) {
+      if (ws.item_release) {
+        wait_item_tiles(ws, blockIdx.y, (ex.gate.rows + kRows - 1) / kRows * tiles);
+        return;
+      }
+    }
+    wait_for_prior_grid();
+  };
   const uint16_t* stage_src = nullptr;
   const auto stage = [&]([[maybe_unused]] int slice = 0) {
     if constexpr (kSliced) {
       constexpr unsigned kUnits = expert_major_slice_cols(kTiles) / 8;
-      if (slice == 0) stage_src = staged_source<kGateUp>(L, n, ws, item, per_column);
+      if (slice == 0) {
+        wait_inputs();
+        stage_src = staged_source<kGateUp>(L, n, ws, item, per_column);
+      }
       const unsigned u0 = slice * kUnits, end = K / 8;
       stage_units(stage_src, u0, u0 + kUnits < end ? u0 + kUnits : end, staged + slice % 2 * expert_major_slice_bytes(kTiles),
                   staged_row_bytes, per_column);
       asm volatile("cp.async.commit_group;" ::: "memory");
     } else if constexpr (!kSplit) {
       if (!copy) return false;
+      wait_inputs();
       stage_units(staged_source<kGateUp>(L, n, ws, item, per_column), 0, K / 8, staged, staged_row_bytes, per_column);
       if (smem_scales) {
 #pragma unroll
@@ -1007,7 +1021,7 @@ template <int kTiles, int kPath = kPathAny>
 __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per_sm(kPath) : 0)
     moe_expert_gate_up(DevLayer L, int n, DevWorkspace ws) {
   wait_for_prior_grid();  // the route kernel's items (expert_major_early_gate_up)
-  allow_dependent_launch();  // the down (expert_major_early_down)
+  if (!ws.item_release) allow_dependent_launch();  // the down (expert_major_early_down)
   int4 item;  // {expert, first, count, -}
   if (!read_item(ws, item)) return;
   int routes[kTiles];
@@ -1015,7 +1029,12 @@ __global__ void __launch_bounds__(kWarps * kWarp, kTiles == 1 ? split_blocks_per
   const DevExpert& ex = block_expert(L, item.x);
   const int row0 = blockIdx.x * kRows;
   if (row0 >= ex.gate.rows) return;
+  if (ws.item_release) allow_dependent_launch();  // after the reads of a block that stores nothing
   run_item<true, kTiles, true, false, false, kPath>(L, n, ws, ex, item, row0, routes);
+  // Warp t stored token tile t (finish_item).
+  if (ws.item_release && static_cast<int>(threadIdx.x / kWarp) < (item.z + kTile - 1) / kTile) {
+    publish_item_tiles(ws, blockIdx.y, 1);
+  }
 }
 
 // Grid: (32-row tiles of the widest intermediate, max work items), one token tile, where
@@ -1029,7 +1048,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) mo
                                                                                                    DevWorkspace ws) {
   __shared__ float partial[kWarps][8][kWarp];
   wait_for_prior_grid();
-  allow_dependent_launch();
+  if (!ws.item_release) allow_dependent_launch();
   int4 item;
   if (!read_item(ws, item)) return;
   int routes[1];
@@ -1037,6 +1056,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) mo
   const DevExpert& ex = block_expert(L, item.x);
   const int block_row0 = blockIdx.x * 2 * kRows;
   if (block_row0 >= ex.gate.rows) return;
+  if (ws.item_release) allow_dependent_launch();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int row0 = block_row0 + warp / 2 * kRows;
   const bool has_rows = row0 < ex.gate.rows;
@@ -1052,6 +1072,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) mo
 #pragma unroll
   for (int v = 0; v < 8; ++v) sum[v] = partial[warp][v][lane] + partial[warp + 1][v][lane];
   store_tile<true, 2, true>(L, n, ws, ex, item, row0, 0, sum, routes[0]);
+  if (ws.item_release) publish_item_tiles(ws, blockIdx.y, 1);
 }
 
 // Grid: (16-row tiles of the widest intermediate, the call's routes), for a call of one token
@@ -1320,7 +1341,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
     moe_expert_staged(DevLayer L, int n, DevWorkspace ws) {
   if constexpr (kGateUp) {
     wait_for_prior_grid();
-    allow_dependent_launch();
+    if (!ws.item_release) allow_dependent_launch();
   }
   uint8_t* const staged = staged_smem;
   int4 item;
@@ -1329,6 +1350,7 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
   const int rows = kGateUp ? ex.gate.rows : ex.down.rows;
   const int group_row0 = blockIdx.x * kPasses * kExpertMajorStagedRows;
   if (group_row0 >= rows) return;
+  if (kGateUp && ws.item_release) allow_dependent_launch();
   const int row0 = group_row0 + static_cast<int>(threadIdx.x / kWarp) * kRows;  // this warp's rows in the first pass
   static_assert(kTiles == 1 || !kScaleCopy);
   static_assert(kPasses == 1 || (!kScaleCopy && !kSliced));
@@ -1342,6 +1364,11 @@ __global__ void __launch_bounds__(kWarps * kWarp, staged_min_blocks(kGateUp, kTi
         run_item<kGateUp, kTiles, false, false, false, kPathAny, kAhead>(L, n, ws, ex, item, row0 + kExpertMajorStagedRows,
                                                                          nullptr, true, staged, false);
       }
+    }
+    if (kGateUp && ws.item_release) {  // this warp's 16 rows of each pass, every token tile
+      const int tiles = (item.z + kTile - 1) / kTile;
+      const int passes = (row0 < rows ? 1 : 0) + (kPasses == 2 && row0 + kExpertMajorStagedRows < rows ? 1 : 0);
+      publish_item_tiles(ws, blockIdx.y, passes * tiles);
     }
   } else {
     switch (weight_path(ex.down)) {
@@ -1563,7 +1590,10 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     if (err == cudaSuccess) err = cudaEventRecord(side.join, side.stream);
     if (err != cudaSuccess) return err;
   }
-  err = launch_gemm(true, L, n, ws, call, stream);
+  // Where the down starts per item, gate_up counts each item's stored tiles and the down waits on them.
+  DevWorkspace gemm_ws = ws;
+  gemm_ws.item_release = call.item_release;
+  err = launch_gemm(true, L, n, gemm_ws, call, stream);
   if (err != cudaSuccess) return err;
   // The shared expert's outputs, where its own chain computes them, before whatever adds them.
   const auto join_shared = [&] {
@@ -1591,7 +1621,7 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
       default: return launch_kernel(early, moe_expert_down_blend<1>, grid, block, 0, stream, L, x, n, ws, out);
     }
   }
-  err = launch_gemm(false, L, n, ws, call, stream);
+  err = launch_gemm(false, L, n, gemm_ws, call, stream);
   if (err == cudaSuccess && call.mixed) err = cudaStreamWaitEvent(stream, side.join, 0);
   if (err == cudaSuccess) err = join_shared();
   if (err != cudaSuccess) return err;

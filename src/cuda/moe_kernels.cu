@@ -584,6 +584,7 @@ __device__ void group_routes(const DevLayer& L, int n, int group, const DevWorks
       if (is_hot) {
         ws.hot_items[hot_base++] = item;
       } else {
+        if (ws.item_tiles_done != nullptr) ws.item_tiles_done[item_base] = 0;  // expert_major_item_release
         ws.items[item_base++] = item;
       }
     }

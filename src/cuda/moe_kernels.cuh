@@ -70,6 +70,7 @@ struct DevLayer {
   int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
   int8_t early_gate_up = -1;  // gate_up launched during routing (expert_major_early_gate_up): 1 forced, 0 forbidden, -1 chosen
   int8_t early_down = -1;    // the down launched during gate_up (expert_major_early_down): 1 forced, 0 forbidden, -1 chosen
+  int8_t item_release = -1;  // the staged down's items started per item (expert_major_item_release): 1, 0 forbidden, -1 chosen
   // Bytes of one routed expert's weights and of the shared expert's (0 without one), for the rules
   // that weigh a second stream's fixed cost against the bytes it moves sooner or reads fewer times.
   int64_t routed_expert_bytes = 0;
@@ -218,6 +219,11 @@ struct DevWorkspace {
   // (row group, token group) the count of slices done, zero between calls.
   float* router_partials = nullptr;
   int32_t* router_slices_done = nullptr;
+  // [item capacity] per one-tile work item, the 16-row x 8-route tiles of activations its gate_up
+  // warps have stored; zeroed where the route kernel writes the items. Counted, and waited on by
+  // the staged down, only where item_release is set (per launch: ExpertMajorLaunch::item_release).
+  int32_t* item_tiles_done = nullptr;
+  bool item_release = false;
 };
 
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
@@ -565,6 +571,8 @@ struct ExpertMajorLaunch {
   bool early_gate_up = false;
   // The down (or fused down and blend) launched while gate_up runs (expert_major_early_down).
   bool early_down = false;
+  // That down staged, each block starting once its item's gate_up is stored (expert_major_item_release).
+  bool item_release = false;
 };
 
 // The rest of a launch's GEMM kernels once its routes per item, grid and which GEMMs run staged
@@ -601,6 +609,20 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
 // its shared expert in the call; the staged down (N = 16-256) 1.002-1.007x.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
   return mode != 0 && !c.gate_up_selects && !c.mixed && !c.shared_apart;
+}
+
+// Whether an early down (expert_major_early_down) that is staged starts each block on its work
+// item once that item's gate_up warps have stored all its activations, instead of once gate_up's
+// whole grid has ended: each gate_up warp that stores a 16-row tile of activations for one token
+// tile publishes it (a fence, then a count per item: DevWorkspace::item_tiles_done), and a down
+// block acquires its item's count until it reaches the item's tiles (gate rows / 16 x token
+// tiles) before it copies the activations. So the down's first items run in the SMs that gate_up's
+// last wave leaves, rather than only their first weights. The items are gate_up's, in the same
+// order, and a down is launched only once every gate_up block is resident (it allows the launch
+// as it starts), so none waits on a block that cannot run. `mode` forbids it (0), else it runs
+// wherever the down is early and staged.
+inline bool expert_major_item_release(int mode, const ExpertMajorLaunch& c) {
+  return mode != 0 && c.early_down && c.staged_down;
 }
 
 // Whether an expert-major call launches its gate_up while the kernel before it still runs, by
@@ -640,6 +662,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   expert_major_gemm_details(L, c);
   c.early_gate_up = expert_major_early_gate_up(L.early_gate_up, n, c);
   c.early_down = expert_major_early_down(L.early_down, c);
+  c.item_release = expert_major_item_release(L.item_release, c);
   if (c.mixed) {
     c.hot_offset = expert_major_hot_offset(routes, experts);
     c.hot_max_items = expert_major_hot_max_items(routes);

@@ -16,12 +16,43 @@ inline constexpr int kWarp = 32;
 
 // Programmatic dependent launch (expert_major_early_gate_up, expert_major_early_down). A kernel
 // lets the one after it launch (once every block of its grid has, or has exited): the route
-// kernels and the routers as they start, a gate_up block once it has waited. A block waits until
-// the kernel before it has finished and its writes are visible: a gate_up as it starts, a down in
-// mma_rows' or mma_rows_sliced's loop, after its first weights. Both do nothing in a kernel
-// launched the ordinary way, or followed by one.
+// kernels and the routers as they start, a gate_up block once it has waited (where the down
+// starts per item, expert_major_item_release: once it has read what a block that stores nothing
+// reads, so that nothing of gate_up reads the call's scratch after the down, which does not wait
+// for gate_up's grid then, has ended). A block waits until the kernel before it has finished and
+// its writes are visible: a gate_up as it starts, a down after its first weights (the split-K
+// loop of mma_rows, or the staged kernels' copy of the activations, item_sums). Both do nothing
+// in a kernel launched the ordinary way, or followed by one.
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Per-item release (expert_major_item_release). A gate_up warp, after its stores of `tiles` 16-row
+// tiles of activations for work item `item`: each lane's fence orders its stores before the warp's
+// count, which lane 0 adds. Called by whole warps.
+__device__ __forceinline__ void publish_item_tiles(const DevWorkspace& ws, int item, int tiles) {
+  __threadfence();
+  __syncwarp();
+  if (threadIdx.x % kWarp == 0 && tiles > 0) atomicAdd(ws.item_tiles_done + item, tiles);
+}
+// A down thread, before it reads work item `item`'s activations: acquires the item's count until
+// it reaches `tiles`. A count that never arrives (a bug, never a valid call) stops the kernel with
+// a trap after 2 s rather than hanging the stream.
+__device__ __forceinline__ void wait_item_tiles(const DevWorkspace& ws, int item, int tiles) {
+  const int32_t* done = ws.item_tiles_done + item;
+  const auto seen = [&] {
+    int32_t v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
+    return v;
+  };
+  if (seen() >= tiles) return;
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (seen() < tiles) {
+    __nanosleep(128);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 2000000000ull) __trap();
+  }
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -250,6 +281,7 @@ __device__ __forceinline__ int4 group_one_token(const DevLayer& L, const DevWork
     if (e >= 0) {
       ws.items[slot] = make_int4(e, slot, 1, 0);
       ws.route_list[slot] = lane;
+      if (ws.item_tiles_done != nullptr) ws.item_tiles_done[slot] = 0;
     }
     if (lane == 0) *ws.num_items = __popc(kept);
   }
