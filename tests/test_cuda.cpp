@@ -49,6 +49,19 @@ struct DeviceArray {
   size_t size;
 };
 
+// One call's inputs: n tokens of H from `seed` (make_tokens), the reference's output for them
+// (`reference` says whether it ran), and device buffers of n x H: x holding the tokens, out.
+struct CallInputs {
+  CallInputs(const Layer& layer, int64_t n, uint64_t seed)
+      : tokens(make_tokens(n, layer.desc.hidden, seed)), expected(tokens.size()), x(tokens.size()), out(tokens.size()) {
+    reference = moe_forward_reference(layer, tokens, n, expected);
+    x.put(tokens);
+  }
+  std::vector<float> tokens, expected;
+  DeviceArray<float> x, out;
+  Status reference;
+};
+
 // One replay of `exec` and one eager call of `moe` on the input already in x, each into a
 // poisoned `out`: the two must agree bit for bit. Returns the replay's output.
 std::vector<float> replay_matching_eager(cudaGraphExec_t exec, cudaStream_t stream, const CudaMoe& moe,
@@ -244,11 +257,11 @@ TEST_F(Cuda, ExpertMajorStagedAndSplitKernelsAgree) {
         const int group = !down_sliced && n >= 16 ? 16 : n <= 16 ? 8 : cuda::kExpertMajorGroup;
         ASSERT_EQ(cuda::expert_major_group(static_cast<int>(n), d.top_k, d.num_experts, !down_sliced), group);
         const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 7);
-        std::vector<float> expected(tokens.size());
-        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-        x.put(tokens);
+        CallInputs in(layer, n, static_cast<uint64_t>(n) + 7);
+        ASSERT_OK(in.reference);
+        const std::vector<float>& expected = in.expected;
+        DeviceArray<float>& x = in.x;
+        DeviceArray<float>& out = in.out;
         // The long down in tiles (the default here) and row-major, where its staged down copies
         // the NVFP4 scale codes into shared memory (tiles bring them in one load per chunk).
         for (const bool tiles : {true, false}) {
@@ -365,6 +378,22 @@ size_t route_edges(const LayerDesc& d, const std::string& config) {
   return cuda::selection_by_warps(L) && config.find("(selects)") == std::string::npos ? 1 : 0;
 }
 
+// Small layers that the launch-option tests share: a ragged DeepSeek-V3 one (272 x 176: part 64-row
+// blocks in both GEMMs; an ungated shared expert of 144 rows, routed scaling), an aligned
+// Qwen3-Next one (a gated shared expert), and a Qwen3-MoE one whose down stages its K = 3200 in
+// slices.
+LayerDesc small_deepseek_v3() {
+  return family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16, .top_k = 4,
+                                            .shared_intermediate = 144, .routed_scaling_factor = 2.5});
+}
+LayerDesc small_qwen3_next() {
+  return family_layer(Family::kQwen3Next,
+                      {.hidden = 384, .intermediate = 256, .num_experts = 16, .top_k = 4, .shared_intermediate = 128});
+}
+LayerDesc long_down_layer() {
+  return family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8, .top_k = 2});
+}
+
 // One call of a test that turns a launch option on and off: the layer made with `options` for n
 // tokens (into `moe`), its config (into `config`) naming `marker` exactly where `marked`, and its
 // output (into `got`, from poisoned buffers) within 1e-2 of the reference's `expected`.
@@ -389,11 +418,8 @@ void option_forward(const Layer& layer, int64_t n, const CudaMoeOptions& options
 // the test knows such items ran (the shared expert is one in every case). Each mixed call also
 // runs in a graph replay (the fork and join captured), bit for bit against the eager call.
 TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc aligned = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc ragged = small_deepseek_v3();
+  const LayerDesc aligned = small_qwen3_next();
   int checked = 0, hot_routed = 0;
   for (const LayerDesc& d : {ragged, aligned}) {
     for (const QuantSpec spec : {QuantSpec{WeightFormat::kNVFP4}, QuantSpec{WeightFormat::kFP8, Fp8Scaling::kBlock128},
@@ -447,11 +473,8 @@ TEST_F(Cuda, MixedTokenTilesMatchTheReference) {
 // blend), 13 and 24 (mixed token tiles forced, the shared expert's items at 16 routes), 48 (two token
 // tiles) and 130 (four). Each forced-on call also runs in a graph replay with other tokens.
 TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
-                                                            .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc ragged = small_deepseek_v3();
+  const LayerDesc gated = small_qwen3_next();
   ASSERT_TRUE(ragged.has_shared() && !ragged.shared_gate && gated.has_shared() && gated.shared_gate);
   int checked = 0, fused = 0, mixed = 0;
   for (const LayerDesc& d : {ragged, gated}) {
@@ -459,12 +482,11 @@ TEST_F(Cuda, SharedExpertApartMatchesTheReference) {
                                  QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, 17));
       for (const int64_t n : {1, 2, 8, 13, 24, 48, 130}) {
-        const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 5);
-        std::vector<float> expected(tokens.size());
-        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-        x.put(tokens);
+        CallInputs in(layer, n, static_cast<uint64_t>(n) + 5);
+        ASSERT_OK(in.reference);
+        const std::vector<float>& expected = in.expected;
+        DeviceArray<float>& x = in.x;
+        DeviceArray<float>& out = in.out;
         std::vector<float> in_call;
         for (const bool apart : {false, true}) {
           CudaMoeOptions options;
@@ -515,11 +537,12 @@ int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer
                                  QuantSpec{WeightFormat::kBF16}}) {
       const Layer layer = take(make_synthetic_layer(d, spec, seed));
       for (const int64_t n : ns) {
-        const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + seed);
-        std::vector<float> expected(tokens.size());
-        EXPECT_TRUE(moe_forward_reference(layer, tokens, n, expected).ok());
-        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
+        CallInputs in(layer, n, static_cast<uint64_t>(n) + seed);
+        EXPECT_TRUE(in.reference.ok()) << in.reference.message();
+        const std::vector<float>& tokens = in.tokens;
+        const std::vector<float>& expected = in.expected;
+        DeviceArray<float>& x = in.x;
+        DeviceArray<float>& out = in.out;
         for (const bool staging : {false, true}) {
           x.put(tokens);  // again: the replays below put other tokens there
           std::vector<float> after;
@@ -567,15 +590,11 @@ int early_launch_cases(std::initializer_list<LayerDesc> shapes, std::initializer
 // tiles where the staged kernels run) and 130 (four). One programmatic edge where the down is
 // early, none where not.
 TEST_F(Cuda, EarlyDownMatchesTheReference) {
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
-                                                            .top_k = 4, .shared_intermediate = 128});
+  const LayerDesc ragged = small_deepseek_v3();
+  const LayerDesc gated = small_qwen3_next();
   const LayerDesc plain = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
                                                            .top_k = 4});
-  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
-                                                               .top_k = 2});
+  const LayerDesc long_down = long_down_layer();
   int fused = 0, split = 0, staged = 0, sliced = 0;
   const int checked = early_launch_cases(
       {ragged, gated, plain, long_down}, {2, 8, 24, 48, 130}, 19, "down launched during gate_up",
@@ -610,13 +629,9 @@ TEST_F(Cuda, EarlyDownMatchesTheReference) {
 // 16 rows per block (I = 256, N = 48), two token tiles (I = 128, N = 64), 32 rows per block (I = 512,
 // N = 48, NVFP4 only: the largest layer).
 TEST_F(Cuda, ItemReleaseMatchesTheReference) {
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
-  const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 384, .intermediate = 256, .num_experts = 16,
-                                                            .top_k = 4, .shared_intermediate = 128});
-  const LayerDesc long_down = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 3200, .num_experts = 8,
-                                                               .top_k = 2});
+  const LayerDesc ragged = small_deepseek_v3();
+  const LayerDesc gated = small_qwen3_next();
+  const LayerDesc long_down = long_down_layer();
   const LayerDesc split = family_layer(Family::kQwen3Moe, {.hidden = 3072, .intermediate = 256, .num_experts = 32,
                                                            .top_k = 4});
   const LayerDesc split_tiles = family_layer(Family::kQwen3Moe, {.hidden = 3072, .intermediate = 128, .num_experts = 32,
@@ -640,12 +655,11 @@ TEST_F(Cuda, ItemReleaseMatchesTheReference) {
     for (const QuantSpec spec : c.specs) {
       const Layer layer = take(make_synthetic_layer(d, spec, 29));
       for (const int64_t n : c.ns) {
-        const int64_t h = d.hidden;
-        const std::vector<float> tokens = make_tokens(n, h, static_cast<uint64_t>(n) + 29);
-        std::vector<float> expected(tokens.size());
-        ASSERT_OK(moe_forward_reference(layer, tokens, n, expected));
-        DeviceArray<float> x(static_cast<size_t>(n * h)), out(static_cast<size_t>(n * h));
-        x.put(tokens);
+        CallInputs in(layer, n, static_cast<uint64_t>(n) + 29);
+        ASSERT_OK(in.reference);
+        const std::vector<float>& expected = in.expected;
+        DeviceArray<float>& x = in.x;
+        DeviceArray<float>& out = in.out;
         std::vector<float> off;
         for (const bool release : {false, true}) {
           CudaMoeOptions options;
@@ -699,9 +713,7 @@ TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
                                                            .top_k = 4});
   const LayerDesc gated = family_layer(Family::kQwen3Next, {.hidden = 256, .intermediate = 128, .num_experts = 256,
                                                             .top_k = 8, .shared_intermediate = 128});
-  const LayerDesc ragged = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
-                                                              .top_k = 4, .shared_intermediate = 144,
-                                                              .routed_scaling_factor = 2.5});
+  const LayerDesc ragged = small_deepseek_v3();
   const LayerDesc wide_router = family_layer(Family::kQwen3Moe, {.hidden = 128, .intermediate = 64, .num_experts = 520,
                                                                  .top_k = 4});
   int selecting = 0, early_downs = 0;
