@@ -70,7 +70,7 @@ struct DevLayer {
   int8_t shared_apart = -1;  // the shared expert beside the router (expert_major_shared_apart): 1 forced, 0 forbidden, -1 chosen
   int8_t early_gate_up = -1;  // gate_up launched during routing (expert_major_early_gate_up): 1 forced, 0 forbidden, -1 chosen
   int8_t early_down = -1;    // the down launched during gate_up (expert_major_early_down): 1 forced, 0 forbidden, -1 chosen
-  int8_t item_release = -1;  // the staged down's items started per item (expert_major_item_release): 1, 0 forbidden, -1 chosen
+  int8_t item_release = -1;  // the staged down started per item (expert_major_item_release): 0 forbidden, else where it can run
   // Bytes of one routed expert's weights and of the shared expert's (0 without one), for the rules
   // that weigh a second stream's fixed cost against the bytes it moves sooner or reads fewer times.
   int64_t routed_expert_bytes = 0;
