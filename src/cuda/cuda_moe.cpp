@@ -515,8 +515,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
             cuda::kRouterMmaRows * 4);
   Result<void*> router_done = alloc(router_counters * 4);
   for (const Result<void*>* r : {&logits, &ids, &weights, &gate, &act, &yout, &x_bf16, &act_bf16, &route_list, &items,
-                                 &num_items, &item_tiles_done, &blocks_done, &router_partials, &router_done, &apart_items, &apart_count,
-                                 &apart_routes, &apart_x}) {
+                                 &num_items, &item_tiles_done, &blocks_done, &router_partials, &router_done,
+                                 &apart_items, &apart_count, &apart_routes, &apart_x}) {
     if (!r->ok()) return r->status();
   }
   impl->ws.x_bf16 = static_cast<uint16_t*>(*x_bf16);
