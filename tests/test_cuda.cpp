@@ -2003,7 +2003,7 @@ TEST(SharedApart, ForcedOnWithoutASharedExpertIsANamedRefusal) {
 
 // Which staged GEMMs load their NVFP4 weights two chunks ahead: those whose kernel has the variant
 // (gate_up and down neither sliced nor copying scale codes), in layers with NVFP4 experts unless
-// forced; forcing reaches no other kernel.
+// forced, a down of two token tiles only below 12 routes per expert; forcing reaches no other kernel.
 TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
   cuda::DevLayer qwen;  // qwen3-30b-a3b
   qwen.hidden = 2048, qwen.act_stride = 768, qwen.num_experts = 128, qwen.top_k = 8, qwen.sm_count = 132;
@@ -2016,14 +2016,20 @@ TEST(ExpertMajorSizing, TwoChunksAheadWhereTheKernelHasIt) {
   EXPECT_EQ(ahead(qwen, 1), "11");    // split-K both
   EXPECT_EQ(ahead(qwen, 8), "12");    // gate_up split-K, down staged
   EXPECT_EQ(ahead(qwen, 64), "22");
-  EXPECT_EQ(ahead(qwen, 256), "12");  // two token tiles: gate_up in slices, one ahead
+  // Two token tiles: gate_up in slices, one ahead; the down two ahead below 12 routes per expert
+  // on average (N = 191: 1528 routes on 128 experts), one from there.
+  EXPECT_EQ(ahead(qwen, 128), "12");
+  EXPECT_EQ(ahead(qwen, 191), "12");
+  EXPECT_EQ(ahead(qwen, 192), "11");
+  EXPECT_EQ(ahead(qwen, 256), "11");
   cuda::DevLayer one = qwen;
   one.staged_ahead = 1;
   EXPECT_EQ(ahead(one, 64), "11");
+  EXPECT_EQ(ahead(one, 128), "11");
   cuda::DevLayer two = qwen;
   two.nvfp4 = false, two.staged_ahead = 2;
   EXPECT_EQ(ahead(two, 64), "22");
-  EXPECT_EQ(ahead(two, 256), "12");
+  EXPECT_EQ(ahead(two, 256), "12");  // forced: two at any routes per expert
   // DeepSeek-V3: gate_up staged only in slices (forced), down copying NVFP4 scale codes: neither
   // kernel has the variant; without NVFP4 experts its down has it.
   cuda::DevLayer ds;

@@ -384,6 +384,19 @@ inline int expert_major_staged_ahead(int forced, bool nvfp4) {
   return nvfp4 ? 2 : 1;
 }
 
+// Whether the staged down of two token tiles per item (group 16) loads one chunk ahead where the
+// two-ahead rule (expert_major_staged_ahead) would give it two: unless forced, where the call's
+// routes average kTwoTileDownOneAheadFromRoutes or more per expert, so that most items fill both
+// tiles. There the kernel's MMAs per byte of weights double, and one ahead (80 registers, 6 blocks
+// per SM) hides the decode's chains behind 24 warps per SM where two ahead (112 registers, 4 per SM)
+// has 16, with the same chunks in flight per SM. Measured on an H100, one ahead forced against two
+// (docs/PERF.md v3.44): qwen3-30b at 12-16 routes per expert (N = 192-256) 1.01-1.03x; at 8-10
+// (N = 128-160) 0.97-1.00x in the independent routing; DeepSeek-V3 N = 256 (9) 0.97-0.98x.
+inline constexpr int kTwoTileDownOneAheadFromRoutes = 12;
+inline bool expert_major_two_tile_down_one_ahead(int forced, int group, int routes, int experts) {
+  return forced == 0 && group == 16 && routes >= kTwoTileDownOneAheadFromRoutes * experts;
+}
+
 // Whether an expert-major call may run two token tiles per item, which only the staged kernels
 // hold: its down stages its activations (K = act_stride) whole (the two-tile down has no sliced
 // variant), and `mode` does not forbid staging. The two-tile gate_up stages in slices at any K
@@ -534,7 +547,8 @@ inline bool expert_major_shared_apart(int mode, bool has_shared, bool selects, i
 // layer has NVFP4 experts and no weight tiles), and
 // the 64-row passes of the staged down's blocks (expert_major_staged_passes; 1 for the sliced and
 // scale-copying kernels), and how many chunks ahead each staged GEMM's NVFP4 loop loads
-// (expert_major_staged_ahead where the kernel has a two-ahead variant, else 1), and whether a
+// (expert_major_staged_ahead where the kernel has a two-ahead variant, but one for a two-tile down
+// past expert_major_two_tile_down_one_ahead's routes per expert; else 1), and whether a
 // split-K down runs over row pairs (expert_major_down_pairs), and whether the gate_up selects
 // (expert_major_gate_up_selects), and the warps per item of a fused down and blend
 // (expert_major_down_blend_ways; 0: none) with the items each warp runs in turn
@@ -662,6 +676,7 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
   c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
   c.gate_up_selects = selects && !c.shared_apart;
   expert_major_gemm_details(L, c);
+  if (c.down_ahead == 2 && expert_major_two_tile_down_one_ahead(L.staged_ahead, c.group, routes, experts)) c.down_ahead = 1;
   c.early_gate_up = expert_major_early_gate_up(L.early_gate_up, n, c);
   c.early_down = expert_major_early_down(L.early_down, c);
   c.item_release = expert_major_item_release(L.item_release, c);
