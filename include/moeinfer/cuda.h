@@ -38,7 +38,8 @@ struct CudaMoeOptions {
   std::optional<int> staged_passes = std::nullopt;
   // The staged expert-major kernels that have both (all but the sliced and scale-copying
   // kernels): how many chunks ahead of their MMAs their K loops over NVFP4 weights load, 1 or 2
-  // forced; nullopt: two in layers with NVFP4 experts, else one.
+  // forced; nullopt: two in layers with NVFP4 experts (but one for a down of two token tiles per
+  // item where the call averages 12 or more routes per expert), else one.
   std::optional<int> staged_ahead = std::nullopt;
   // Expert-major calls of one token tile per item: true runs the experts with more than 8 routes in
   // the call (hot experts; the shared expert from 9 tokens) as items of up to 16 routes in the

@@ -579,7 +579,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--staged-ahead", bench.staged_ahead,
                         "CUDA staged expert-major kernels: chunks of NVFP4 weights each warp loads ahead of its MMAs, "
-                        "two in layers with NVFP4 experts (auto), or 1 or 2 forced")
+                        "two in layers with NVFP4 experts, one for a two-tile down from 12 routes per expert (auto), "
+                        "or 1 or 2 forced")
       ->capture_default_str();
   bench_cmd->add_option("--mixed-tiles", bench.mixed_tiles,
                         "CUDA expert-major calls at 8 routes per item: experts past 8 routes run at 16 per item in "
