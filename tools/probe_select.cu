@@ -14,24 +14,24 @@
 // + select adds up to it. Each figure is the median of 101 launches. Rows vary k on one router
 // (the slope over k is the cost of a top-k round), the logits per lane, and the routers of the
 // three presets (softmax over 128 or 512, DeepSeek-V3's sigmoid with correction bias and groups).
-// Every launch's choices are checked against a host top-k of the same logits; the output ends with
-// the count that differed, and the probe fails where any did.
+// Every launch's choices are checked against the reference's (moe_select_reference) on the same
+// logits; the output ends with the count that differed, and the probe fails where any did.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <numeric>
 #include <random>
 #include <vector>
 
 #include "cuda/route_select.cuh"
+#include "moeinfer/layer.h"
+#include "moeinfer/reference.h"
 #include "probe_common.cuh"
 
 namespace {
 
-using moeinfer::ScoreFunc;
-using moeinfer::WeightFunc;
+using moeinfer::Family;
+using moeinfer::LayerDesc;
 using moeinfer::cuda::DevLayer;
 using moeinfer::cuda::DevWorkspace;
 using moeinfer::cuda::kWarp;
@@ -86,50 +86,9 @@ __global__ void __launch_bounds__(kWarp) select_steps(DevLayer L, DevWorkspace w
 
 struct Router {
   const char* name;
-  int outputs;
-  int top_k;
-  ScoreFunc score;
-  bool correction_bias;
-  int n_group;
-  int topk_group;
+  LayerDesc desc;
   int per_lane;
 };
-
-// The host's choice of the same top-k (ties to the lower index), on the keys route_token_warp ranks:
-// softmax or sigmoid scores, plus the correction bias, experts outside the best groups excluded.
-std::vector<int> host_top_k(const Router& r, const std::vector<float>& logits, const std::vector<float>& bias) {
-  std::vector<double> key(r.outputs);
-  double max_logit = *std::max_element(logits.begin(), logits.end());
-  double sum = 0.0;
-  for (int e = 0; e < r.outputs; ++e) {
-    key[e] = r.score == ScoreFunc::kSoftmax ? std::exp(logits[e] - max_logit) : 1.0 / (1.0 + std::exp(-logits[e]));
-    sum += key[e];
-  }
-  for (int e = 0; e < r.outputs; ++e) {
-    if (r.score == ScoreFunc::kSoftmax) key[e] /= sum;
-    if (r.correction_bias) key[e] += bias[e];
-  }
-  if (r.n_group > 1) {
-    const int size = r.outputs / r.n_group;
-    std::vector<std::pair<double, int>> groups;
-    for (int g = 0; g < r.n_group; ++g) {
-      std::vector<double> k(key.begin() + g * size, key.begin() + (g + 1) * size);
-      std::sort(k.rbegin(), k.rend());
-      groups.push_back({-(k[0] + k[1]), g});
-    }
-    std::sort(groups.begin(), groups.end());
-    std::vector<bool> kept(r.n_group, false);
-    for (int g = 0; g < r.topk_group; ++g) kept[groups[g].second] = true;
-    for (int e = 0; e < r.outputs; ++e) {
-      if (!kept[e / size]) key[e] = -1e300;
-    }
-  }
-  std::vector<int> order(r.outputs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return key[a] > key[b]; });
-  order.resize(r.top_k);
-  return order;
-}
 
 template <int kPerLane>
 void launch(const DevLayer& L, const DevWorkspace& ws, bool cold, long long* cycles, int* chosen) {
@@ -145,14 +104,26 @@ int main() {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, SM clock %.0f MHz (cycles -> ns at that clock)\n", prop.name, clock_khz / 1e3);
 
+  // The presets' routers (their shapes beyond routing do not matter here), qwen3-30b-a3b's at k = 1-8.
+  const auto qwen3 = [](int k) {
+    return moeinfer::family_layer(Family::kQwen3Moe,
+                                  {.hidden = 2048, .intermediate = 768, .num_experts = 128, .top_k = k});
+  };
   const std::vector<Router> routers = {
-      {"qwen3-30b-a3b k=1", 128, 1, ScoreFunc::kSoftmax, false, 1, 1, 4},
-      {"qwen3-30b-a3b k=2", 128, 2, ScoreFunc::kSoftmax, false, 1, 1, 4},
-      {"qwen3-30b-a3b k=4", 128, 4, ScoreFunc::kSoftmax, false, 1, 1, 4},
-      {"qwen3-30b-a3b", 128, 8, ScoreFunc::kSoftmax, false, 1, 1, 4},
-      {"qwen3-30b-a3b, 8 per lane", 128, 8, ScoreFunc::kSoftmax, false, 1, 1, 8},
-      {"deepseek-v3", 256, 8, ScoreFunc::kSigmoid, true, 8, 4, 8},
-      {"qwen3-next-80b-a3b", 512, 10, ScoreFunc::kSoftmax, false, 1, 1, 16},
+      {"qwen3-30b-a3b k=1", qwen3(1), 4},
+      {"qwen3-30b-a3b k=2", qwen3(2), 4},
+      {"qwen3-30b-a3b k=4", qwen3(4), 4},
+      {"qwen3-30b-a3b", qwen3(8), 4},
+      {"qwen3-30b-a3b, 8 per lane", qwen3(8), 8},
+      {"deepseek-v3",
+       moeinfer::family_layer(Family::kDeepseekV3, {.hidden = 7168, .intermediate = 2048, .num_experts = 256, .top_k = 8,
+                                                    .shared_intermediate = 2048, .routed_scaling_factor = 2.5,
+                                                    .n_group = 8, .topk_group = 4}),
+       8},
+      {"qwen3-next-80b-a3b",
+       moeinfer::family_layer(Family::kQwen3Next, {.hidden = 2048, .intermediate = 512, .num_experts = 512, .top_k = 10,
+                                                   .shared_intermediate = 512}),
+       16},
   };
   float* source = nullptr;
   float* logits = nullptr;
@@ -170,30 +141,33 @@ int main() {
   std::printf("%-28s %8s %8s %8s %8s   %s\n", "router", "loads", "select", "group", "cold", "(cycles; ns)");
   int mismatches = 0;
   for (const Router& r : routers) {
-    std::vector<float> host_logits(r.outputs), host_bias(r.outputs);
+    const LayerDesc& d = r.desc;
+    const int outputs = static_cast<int>(d.router_outputs());
+    std::vector<float> host_logits(outputs), host_bias(d.routing.correction_bias ? outputs : 0);
     for (float& v : host_logits) v = normal(rng);
     for (float& v : host_bias) v = small(rng);
-    CHECK(cudaMemcpy(source, host_logits.data(), r.outputs * sizeof(float), cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(bias, host_bias.data(), r.outputs * sizeof(float), cudaMemcpyHostToDevice));
+    // The reference's choice (moe_select_reference), which every launch must match.
+    std::vector<int> want(d.top_k);
+    std::vector<double> weights(d.top_k);
+    const std::vector<double> logits_d(host_logits.begin(), host_logits.end());
+    if (!moeinfer::moe_select_reference(d, logits_d, host_bias, want, weights).ok()) {
+      std::fprintf(stderr, "%s: the reference refused the selection\n", r.name);
+      return 1;
+    }
+    std::sort(want.begin(), want.end());
+    CHECK(cudaMemcpy(source, host_logits.data(), outputs * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(bias, host_bias.data(), host_bias.size() * sizeof(float), cudaMemcpyHostToDevice));
     DevLayer L;
-    L.num_experts = r.outputs;
-    L.router_outputs = r.outputs;
-    L.top_k = r.top_k;
-    L.score = static_cast<uint8_t>(r.score);
-    L.weight = static_cast<uint8_t>(WeightFunc::kScore);
-    L.correction_bias = r.correction_bias;
-    L.correction_bias_values = r.correction_bias ? bias : nullptr;
-    L.renormalize = true;
-    L.n_group = r.n_group;
-    L.topk_group = r.topk_group;
+    moeinfer::cuda::set_routing(d, L);
+    L.correction_bias_values = d.routing.correction_bias ? bias : nullptr;
     L.owned_begin = 0;
-    L.owned_end = r.outputs;
+    L.owned_end = d.num_experts;
     DevWorkspace ws;
     ws.logits = logits;
     std::vector<std::vector<long long>> samples(kSteps);
     for (int rep = 0; rep < 102; ++rep) {
       for (const bool cold : {false, true}) {
-        write_logits<<<1, 256>>>(source, logits, r.outputs);
+        write_logits<<<1, 256>>>(source, logits, outputs);
         switch (r.per_lane) {
           case 4: launch<4>(L, ws, cold, cycles, chosen); break;
           case 8: launch<8>(L, ws, cold, cycles, chosen); break;
@@ -208,11 +182,9 @@ int main() {
         } else {
           for (int s = 0; s < 3; ++s) samples[s].push_back(c[s]);
         }
-        std::vector<int> ids(r.top_k);
-        CHECK(cudaMemcpy(ids.data(), chosen, r.top_k * sizeof(int), cudaMemcpyDeviceToHost));
+        std::vector<int> ids(d.top_k);
+        CHECK(cudaMemcpy(ids.data(), chosen, d.top_k * sizeof(int), cudaMemcpyDeviceToHost));
         std::sort(ids.begin(), ids.end());
-        std::vector<int> want = host_top_k(r, host_logits, host_bias);
-        std::sort(want.begin(), want.end());
         mismatches += ids != want ? 1 : 0;
       }
     }
@@ -231,6 +203,6 @@ int main() {
   CHECK(cudaFree(bias));
   CHECK(cudaFree(cycles));
   CHECK(cudaFree(chosen));
-  std::printf("choices checked against the host's top-k: %d mismatches\n", mismatches);
+  std::printf("choices checked against moe_select_reference: %d mismatches\n", mismatches);
   return mismatches == 0 ? 0 : 1;
 }
