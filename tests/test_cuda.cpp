@@ -733,6 +733,49 @@ TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
   EXPECT_GT(early_downs, 0) << "no early call launched its down early too";
 }
 
+// The fused down and blend launched during a gate_up that selects (cuda::expert_major_published_down,
+// the early down forced): its blocks wait for the flag that gate_up's block (0, 0) raises once it has
+// written the call's items, read them, and load their first weights before they wait for gate_up's
+// grid. Through early_launch_cases (the early down forced off, then on; the gate_up launched during
+// routing, as by default at N = 1) at N = 1 on shapes whose gate_up selects: 4, 2 and 1 warps per item
+// (top-4, top-8 and top-12 Qwen3-MoE), group-limited routing with a shared expert (a DeepSeek-V3
+// shape of 4 groups keeping 2) and zero experts (LongCat, whose outputs add w x after the wait). With
+// staging forced the gate_up does not select, and the down is the ordinary early one. Each early
+// graph's replays with other tokens check that the flag is down again between calls.
+TEST_F(Cuda, EarlySelectingDownMatchesTheReference) {
+  const LayerDesc four_ways = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 192, .num_experts = 32,
+                                                               .top_k = 4});
+  const LayerDesc two_ways = family_layer(Family::kQwen3Moe, {.hidden = 256, .intermediate = 128, .num_experts = 64,
+                                                              .top_k = 8});
+  const LayerDesc one_way = family_layer(Family::kQwen3Moe, {.hidden = 128, .intermediate = 64, .num_experts = 32,
+                                                             .top_k = 12});
+  const LayerDesc grouped = family_layer(Family::kDeepseekV3, {.hidden = 272, .intermediate = 176, .num_experts = 16,
+                                                               .top_k = 4, .shared_intermediate = 144,
+                                                               .routed_scaling_factor = 2.5, .n_group = 4,
+                                                               .topk_group = 2});
+  const LayerDesc zero_experts = family_layer(Family::kLongcatFlash, {.hidden = 128, .intermediate = 32, .num_experts = 64,
+                                                                      .top_k = 6, .num_zero_experts = 8});
+  const std::string early_gate_up = "gate_up launched during routing";
+  int published = 0;
+  std::set<int> ways;
+  const int checked = early_launch_cases(
+      {four_ways, two_ways, one_way, grouped, zero_experts}, {1}, 37, "down launched during gate_up",
+      [](CudaMoeOptions& options, bool early) { options.early_down = early; },
+      [&](const std::string& config, bool early) {
+        return (config.find(early_gate_up) != std::string::npos ? 1u : 0u) + (early ? 1u : 0u);
+      },
+      [&](const std::string& config) {
+        if (config.find("(selects)") == std::string::npos) return;
+        ++published;
+        for (const int w : {1, 2, 4}) {
+          if (config.find(fmt::format("blend ({} warp", w)) != std::string::npos) ways.insert(w);
+        }
+      });
+  EXPECT_EQ(checked, 5 * 3 * 2);  // shapes x formats x staging
+  EXPECT_EQ(published, 5 * 3) << "early calls whose gate_up selected (every shape and format, staging off)";
+  EXPECT_EQ(ways, (std::set<int>{1, 2, 4})) << "warps per item of the fused downs that read published items";
+}
+
 // What ExpertMajorStagedAndSplitKernelsAgree's shared-memory poison rests on: it is still there
 // when the next kernel starts, so a kernel that reads shared memory it never wrote reads NaN.
 TEST_F(Cuda, SharedMemoryPoisonReachesTheNextKernel) {
@@ -1924,7 +1967,7 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   qwen.router_outputs = 128, qwen.sm_count = 132;
   qwen.down_path = cuda::kPathNvfp4Tiled;
   ASSERT_TRUE(cuda::expert_major_launch(qwen, 1).gate_up_selects);
-  EXPECT_FALSE(early(qwen, 1));  // its gate_up writes the items the down reads first
+  EXPECT_FALSE(early(qwen, 1));  // by default not where its gate_up writes the items the down reads first
   ASSERT_GT(cuda::expert_major_launch(qwen, 2).down_blend_ways, 0);
   EXPECT_TRUE(early(qwen, 2));  // the fused down and blend
   EXPECT_TRUE(early(qwen, 8));
@@ -1948,9 +1991,16 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   EXPECT_FALSE(early(ds, 64));  // the hot experts' chain on a second stream
   ds.early_down = 0;
   EXPECT_FALSE(early(ds, 1));
-  qwen.early_down = 1;  // forced: still only where the kernels allow it
-  EXPECT_FALSE(early(qwen, 1));
+  qwen.early_down = 1;  // forced: also the fused down after a gate_up that selects, reading its published items
+  ASSERT_TRUE(cuda::expert_major_published_down(cuda::expert_major_launch(qwen, 1)));
+  EXPECT_TRUE(early(qwen, 1));
   EXPECT_TRUE(early(qwen, 2));
+  cuda::DevLayer wide = qwen;  // top-20 of I = 256: 20 items, one warp each in two rounds (the rolled kernel)
+  wide.top_k = 20, wide.act_stride = 256;
+  const cuda::ExpertMajorLaunch w1 = cuda::expert_major_launch(wide, 1);
+  ASSERT_TRUE(w1.gate_up_selects && w1.down_blend_ways == 1 && w1.down_blend_rounds == 2);
+  EXPECT_FALSE(cuda::expert_major_published_down(w1));
+  EXPECT_FALSE(w1.early_down);  // forced, but the rolled kernel reads no published items
 }
 
 // Which calls launch their gate_up during routing (expert_major_early_gate_up): by default calls of

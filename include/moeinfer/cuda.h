@@ -64,7 +64,9 @@ struct CudaMoeOptions {
   // Expert-major calls whose gate_up does not select, on one stream: true or nullopt launches the
   // down while gate_up's last blocks still run (programmatic dependent launch), its blocks loading
   // their first weights before they wait for gate_up's activations (cuda::expert_major_early_down);
-  // false launches it after gate_up ends.
+  // false launches it after gate_up ends. true also does so for the fused down and blend of a
+  // one-token call whose gate_up selects, its blocks first waiting for the items that gate_up's block
+  // (0, 0) publishes (cuda::expert_major_published_down); nullopt does not, until it is measured.
   std::optional<bool> early_down = std::nullopt;
   // Expert-major calls whose down is staged and launched during gate_up: true or nullopt lets each
   // down block start on its work item as soon as that item's gate_up blocks have stored its

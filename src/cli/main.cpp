@@ -600,7 +600,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--early-down", bench.early_down,
                         "CUDA expert-major calls on one stream whose gate_up does not select: the down launched while "
                         "gate_up's last blocks run, loading its first weights before it waits (auto and on), or after "
-                        "gate_up ends (off)")
+                        "gate_up ends (off); on also launches a one-token call's fused down during a gate_up that "
+                        "selects, reading the items it publishes")
       ->capture_default_str();
   bench_cmd->add_option("--item-release", bench.item_release,
                         "CUDA expert-major calls whose staged down is launched during gate_up: each down block starts "

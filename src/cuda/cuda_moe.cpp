@@ -498,7 +498,7 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   Result<void*> num_items = alloc(8);  // the one-tile items' count, and a mixed call's hot items'
   const int64_t item_counts_bytes = items_bytes / 16 * 4;
   Result<void*> item_tiles_done = alloc(item_counts_bytes);
-  Result<void*> blocks_done = alloc(4);
+  Result<void*> blocks_done = alloc(12);  // the route kernel's finish line, then items_published's flag and count
   // The shared expert's own chain (cuda::expert_major_shared_apart): its items, count, route list
   // and bf16 x, where this rank runs it.
   const int64_t apart_tokens = L.has_shared ? max_tokens : 0;
@@ -540,7 +540,8 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
         cuda_status(cudaMemset(*apart_items, 0, static_cast<size_t>(apart_items_bytes)), "cudaMemset"));
   }
   impl->ws.route_blocks_done = static_cast<int32_t*>(*blocks_done);
-  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 4), "cudaMemset"));
+  impl->ws.items_published = impl->ws.route_blocks_done + 1;  // passed to the kernels per call (forward)
+  MOEINFER_RETURN_IF_ERROR(cuda_status(cudaMemset(*blocks_done, 0, 12), "cudaMemset"));
   impl->ws.router_partials = static_cast<float*>(*router_partials);
   impl->ws.router_slices_done = static_cast<int32_t*>(*router_done);
   MOEINFER_RETURN_IF_ERROR(
@@ -582,6 +583,9 @@ Status CudaMoe::forward(const float* x, int64_t n, float* out, void* stream) con
     ws.hot_num_items = ws.num_items + 1;
   }
   ws.shared_apart = call.shared_apart;
+  // Where the fused down starts during a gate_up that selects, gate_up flags the items it publishes
+  // and the down waits for the flag; in any other call nothing would lower a flag raised.
+  if (!(call.early_down && cuda::expert_major_published_down(call))) ws.items_published = nullptr;
   if (call.shared_apart) {  // forked before the router, so that its chain runs beside the router's
     MOEINFER_RETURN_IF_ERROR(cuda_status(
         cuda::launch_moe_shared_apart(impl_->dev, x, tokens, ws, call, impl_->shared, s), "shared expert apart"));

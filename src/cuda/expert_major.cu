@@ -974,13 +974,14 @@ __device__ __forceinline__ const DevExpert& block_expert(const DevLayer& L, int 
 // The route of this lane's token column (gid) in each token tile of a split-K item (columns past
 // the item's routes take its first route's), loaded before block_expert's barrier so that the two
 // round trips overlap.
-template <int kTiles>
+template <int kTiles, bool kPastL1 = false>
 __device__ __forceinline__ void split_routes(const DevWorkspace& ws, int4 item, int (&routes)[kTiles]) {
   const int gid = threadIdx.x % kWarp / 4;
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
     const int slot = tile * kTile + gid;
-    routes[tile] = ws.route_list[item.y + (slot < item.z ? slot : 0)];
+    const int32_t* at = ws.route_list + item.y + (slot < item.z ? slot : 0);
+    routes[tile] = kPastL1 ? __ldcg(at) : *at;  // kPastL1: written by a kernel still running
   }
 }
 
@@ -1080,7 +1081,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) mo
 // of every block selects from the router's logits (route_token_warp; dynamic shared memory: E + Z
 // floats for group-limited routing) and maps the routes to work items as group_one_token does;
 // the block runs the blockIdx.y-th, as moe_expert_gate_up<1>. Block (0, 0) alone publishes the
-// choices, weights, items and route list, which the kernels after it read.
+// choices, weights, items and route list, which the kernels after it read; where the fused down is
+// launched during this kernel (ws.items_published: expert_major_published_down), it allows that
+// launch as it starts and flags the items once they are written.
 template <int kPerLane>
 __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(DevLayer L, DevWorkspace ws) {
   extern __shared__ float select_keys[];
@@ -1088,10 +1091,12 @@ __global__ void __launch_bounds__(kWarps * kWarp, 4) moe_expert_gate_up_select(D
   __shared__ int4 chosen;  // this block's item, {-1, ...} past the call's items
   __shared__ int chosen_route;
   wait_for_prior_grid();  // the router's logits (expert_major_early_gate_up)
+  if (ws.items_published != nullptr) allow_dependent_launch();
   if (threadIdx.x < kWarp) {
     const bool publish = blockIdx.x == 0 && blockIdx.y == 0;
     route_token_warp<kPerLane>(L, 0, ws, select_keys, ids, publish);
     const int4 mine = group_one_token(L, ws, ids, publish);  // top_k + shared <= 32 (gate_up_selects)
+    if (publish && ws.items_published != nullptr) flag_items_published(ws);
     if (threadIdx.x == 0) chosen = make_int4(-1, 0, 0, 0);
     __syncwarp();
     if (mine.x >= 0 && mine.y == static_cast<int>(blockIdx.y)) chosen = mine, chosen_route = threadIdx.x;
@@ -1135,9 +1140,13 @@ __global__ void __launch_bounds__(kWarps * kWarp, split_blocks_per_sm(kPath)) mo
 }
 
 // The blend's weight of a route of an n-token call: w; 1 where w scaled the input; the shared
-// expert's gate for its token.
+// expert's gate for its token. kPastL1: the routed weights written by a kernel still running.
+template <bool kPastL1 = false>
 __device__ __forceinline__ float blend_weight(const DevLayer& L, int n, const DevWorkspace& ws, int route) {
-  if (route < n * L.top_k) return L.weight_on_input ? 1.0f : ws.weights[route];
+  if (route < n * L.top_k) {
+    if (L.weight_on_input) return 1.0f;
+    return kPastL1 ? __ldcg(ws.weights + route) : ws.weights[route];
+  }
   return L.shared_gate ? ws.shared_gate[route - n * L.top_k] : 1.0f;
 }
 
@@ -1198,7 +1207,10 @@ __device__ __forceinline__ void write_blended(const DevLayer& L, const float* x,
 // per call, N = 2 1.14-1.16x; qwen3-next-80b-a3b N = 1 1.19x; two ahead 1.01-1.02x more than one
 // (docs/PERF.md, v3.21). More items: moe_expert_down_blend_rolled (a warp running two items in
 // a loop whose K loop is chosen per item spilled 2 KB).
-template <int kWays>
+// kPublished: launched during a gate_up that selects (expert_major_published_down), whose block
+// (0, 0) writes the items, routes and weights while this kernel's blocks start: they wait for its
+// flag, read them past L1, and wait for gate_up's whole grid before they write.
+template <int kWays, bool kPublished = false>
 __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     moe_expert_down_blend(DevLayer L, const float* x, int n, DevWorkspace ws, float* out) {
   constexpr int kGroups = kDownBlendWarps / kWays;
@@ -1208,15 +1220,16 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   const int g = warp / kWays, way = warp % kWays;
   const int in_group = threadIdx.x - g * kWays * kWarp;
   const int row0 = blockIdx.x * kRows;
+  if constexpr (kPublished) wait_items_published(ws);
   // The item's load goes out beside the count's (read_item); slots past the count hold stale
   // items, not used.
-  const int4 item = ws.items[g];
-  const bool active = g < *ws.num_items;
+  const int4 item = kPublished ? __ldcg(ws.items + g) : ws.items[g];
+  const bool active = g < (kPublished ? __ldcg(ws.num_items) : *ws.num_items);
   // This lane's token column gid: its route (split_routes) and the route's blend weight, loaded
   // beside the expert's table entry; the weight is not needed until after the MMAs.
   int routes[1] = {0};
-  if (active) split_routes(ws, item, routes);
-  const float weight = active ? blend_weight(L, n, ws, routes[0]) : 0.0f;
+  if (active) split_routes<1, kPublished>(ws, item, routes);
+  const float weight = active ? blend_weight<kPublished>(L, n, ws, routes[0]) : 0.0f;
   if (active) copy_expert_word(L, item.x, in_group, entries[g]);
   for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
   __syncthreads();
@@ -1227,8 +1240,12 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
                                                                        acc);
     add_blended(L, n, ex, row0, way == 0, acc[0][0], routes[0], weight, item.z, row_sums[warp]);
   }
+  // Every thread past gate_up's grid before the zero experts' choices are read (write_blended),
+  // also where no item of this block ran the wait (item_sums).
+  if constexpr (kPublished) wait_for_prior_grid();
   __syncthreads();
   write_blended(L, x, n, ws, out, row_sums, blockDim.x / kWarp, row0);
+  if constexpr (kPublished) done_with_published_items(ws);
 }
 
 // The fused down and blend past 16 items (ExpertMajorLaunch::down_blend_rounds > 1, up to
@@ -1615,11 +1632,17 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
       if (!with_path(L.down_path, rolled)) return cudaErrorInvalidValue;
       return err;
     }
-    switch (call.down_blend_ways) {
-      case 4: return launch_kernel(early, moe_expert_down_blend<4>, grid, block, 0, stream, L, x, n, ws, out);
-      case 2: return launch_kernel(early, moe_expert_down_blend<2>, grid, block, 0, stream, L, x, n, ws, out);
-      default: return launch_kernel(early, moe_expert_down_blend<1>, grid, block, 0, stream, L, x, n, ws, out);
-    }
+    const auto fused = [&]<bool kPublished>() {
+      const auto launch = [&](auto kernel) {
+        return launch_kernel(early, kernel, grid, block, 0, stream, L, x, n, gemm_ws, out);
+      };
+      switch (call.down_blend_ways) {
+        case 4: return launch(moe_expert_down_blend<4, kPublished>);
+        case 2: return launch(moe_expert_down_blend<2, kPublished>);
+        default: return launch(moe_expert_down_blend<1, kPublished>);
+      }
+    };
+    return gemm_ws.items_published != nullptr ? fused.template operator()<true>() : fused.template operator()<false>();
   }
   err = launch_gemm(false, L, n, gemm_ws, call, stream);
   if (err == cudaSuccess && call.mixed) err = cudaStreamWaitEvent(stream, side.join, 0);

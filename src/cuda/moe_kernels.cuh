@@ -224,6 +224,12 @@ struct DevWorkspace {
   // the staged down, only where item_release is set (per launch: ExpertMajorLaunch::item_release).
   int32_t* item_tiles_done = nullptr;
   bool item_release = false;
+  // [2] a flag and a count of its readers, both zero between calls. Set per call only where the
+  // fused down is launched during a gate_up that selects (ExpertMajorLaunch::gate_up_selects and
+  // early_down), else null: gate_up's block (0, 0) raises the flag once it has written the call's
+  // items, the down's blocks wait for it before they read them, and the last of them lowers it
+  // (flag_items_published, wait_items_published, done_with_published_items).
+  int32_t* items_published = nullptr;
 };
 
 // Routes per expert-major work item, at most: 4 token tiles of 8 MMA columns.
@@ -609,20 +615,32 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
   c.gate_up_wide = expert_major_gate_up_wide(L, c.staged_gate_up, c.gate_up_selects, c.group, c.max_items);
 }
 
+// Whether a call whose gate_up selects (one token) can launch its down during gate_up: only the
+// fused down and blend of one round (moe_expert_down_blend), which then reads the items that
+// gate_up's block (0, 0) publishes (DevWorkspace::items_published) once they are flagged, in place
+// of the route kernel's. Run only where the early down is forced (expert_major_early_down's mode
+// 1), until it is measured: the form that selected in the down itself ran 0.94x at qwen3-30b N = 1
+// on an H100 (docs/PERF.md, v3.46).
+inline bool expert_major_published_down(const ExpertMajorLaunch& c) {
+  return c.gate_up_selects && c.down_blend_ways > 0 && c.down_blend_rounds == 1;
+}
+
 // Whether an expert-major call launches its down kernel (or its fused down and blend) while its
 // gate_up still runs, by programmatic dependent launch: the gate_up blocks allow it as they start
 // (griddepcontrol.launch_dependents), so the down's blocks take the SMs that gate_up's last blocks
 // leave, read their items and table entries and load their first chunks of weights, and only then
 // wait for gate_up's grid to finish (griddepcontrol.wait, in mma_rows) before they read its
 // activations (split-K) or copy them into shared memory (staged). Only where gate_up does not
-// select (its items and routes are then the route kernel's, read before the wait) and the call has
-// no second stream (neither mixed token tiles nor the shared expert apart, whose join would meet a
-// programmatic edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default,
-// -1). Measured on an H100 against off (docs/PERF.md v3.35, v3.36): 1.03-1.08x per call at the
+// select (its items and routes are then the route kernel's, read before the wait), or where it is
+// forced and the down reads gate_up's published items (expert_major_published_down), and the call
+// has no second stream (neither mixed token tiles nor the shared expert apart, whose join would meet
+// a programmatic edge). `mode` forbids it (0), allows it wherever it can run (1), or by default
+// (-1) wherever gate_up does not select. Measured on an H100 against off (docs/PERF.md v3.35, v3.36): 1.03-1.08x per call at the
 // Qwen shapes' N = 1-8 (split-K or fused down and blend), 1.01-1.02x at DeepSeek-V3 N = 1-2 with
 // its shared expert in the call; the staged down (N = 16-256) 1.002-1.007x.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
-  return mode != 0 && !c.gate_up_selects && !c.mixed && !c.shared_apart;
+  if (mode == 0 || c.mixed || c.shared_apart) return false;
+  return !c.gate_up_selects || (mode == 1 && expert_major_published_down(c));
 }
 
 // Whether an early down (expert_major_early_down) that is staged starts each block on its work

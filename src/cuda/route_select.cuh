@@ -34,23 +34,53 @@ __device__ __forceinline__ void publish_item_tiles(const DevWorkspace& ws, int i
   __syncwarp();
   if (threadIdx.x % kWarp == 0 && tiles > 0) atomicAdd(ws.item_tiles_done + item, tiles);
 }
-// A down thread, before it reads work item `item`'s activations: acquires the item's count until
-// it reaches `tiles`. A count that never arrives (a bug, never a valid call) stops the kernel with
-// a trap after 2 s rather than hanging the stream.
-__device__ __forceinline__ void wait_item_tiles(const DevWorkspace& ws, int item, int tiles) {
-  const int32_t* done = ws.item_tiles_done + item;
+// Acquires *counter until it reaches `target`. A value that never arrives (a bug, never a valid
+// call) stops the kernel with a trap after 2 s rather than hanging the stream.
+__device__ __forceinline__ void acquire_at_least(const int32_t* counter, int target) {
   const auto seen = [&] {
     int32_t v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
     return v;
   };
-  if (seen() >= tiles) return;
+  if (seen() >= target) return;
   uint64_t start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  while (seen() < tiles) {
+  while (seen() < target) {
     __nanosleep(128);
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (now - start > 2000000000ull) __trap();
+  }
+}
+
+// A down thread, before it reads work item `item`'s activations: acquires the item's count until
+// it reaches `tiles`.
+__device__ __forceinline__ void wait_item_tiles(const DevWorkspace& ws, int item, int tiles) {
+  acquire_at_least(ws.item_tiles_done + item, tiles);
+}
+
+// The items of a one-token call published early (DevWorkspace::items_published, where the fused down
+// is launched during a gate_up that selects). The selecting warp of gate_up's block (0, 0), once it
+// has written the choices, weights, items and route list: each lane's fence orders its stores before
+// the flag, which lane 0 raises. Called by the whole warp.
+__device__ __forceinline__ void flag_items_published(const DevWorkspace& ws) {
+  __threadfence();
+  __syncwarp();
+  if (threadIdx.x % kWarp == 0) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ws.items_published), "r"(1) : "memory");
+  }
+}
+// A down block, before it reads the items: thread 0 acquires the flag, then the block meets.
+__device__ __forceinline__ void wait_items_published(const DevWorkspace& ws) {
+  if (threadIdx.x == 0) acquire_at_least(ws.items_published, 1);
+  __syncthreads();
+}
+// A down block at its end, all its threads past their reads of the items: the last block of the
+// grid to get here lowers the flag and zeroes the count, so that both are zero between calls.
+__device__ __forceinline__ void done_with_published_items(const DevWorkspace& ws) {
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(ws.items_published + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+    ws.items_published[0] = 0;
+    ws.items_published[1] = 0;
   }
 }
 
