@@ -733,8 +733,8 @@ TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
   EXPECT_GT(early_downs, 0) << "no early call launched its down early too";
 }
 
-// The fused down and blend launched during a gate_up that selects (cuda::expert_major_published_down,
-// the early down forced): its blocks wait for the flag that gate_up's block (0, 0) raises once it has
+// The fused down and blend launched during a gate_up that selects (cuda::expert_major_published_down):
+// its blocks wait for the flag that gate_up's block (0, 0) raises once it has
 // written the call's items, read them, and load their first weights before they wait for gate_up's
 // grid. Through early_launch_cases (the early down forced off, then on; the gate_up launched during
 // routing, as by default at N = 1) at N = 1 on shapes whose gate_up selects: 4, 2 and 1 warps per item
@@ -1958,8 +1958,9 @@ TEST(ExpertMajorSizing, ItemReleaseWhereTheDownIsEarlyAndStaged) {
   EXPECT_FALSE(d64.item_release);  // two chains of launches: no early down
 }
 
-// Which calls launch their down during gate_up (expert_major_early_down): a gate_up that does not
-// select, one stream; never where the mode forbids it.
+// Which calls launch their down during gate_up (expert_major_early_down): one stream, and after a
+// gate_up that selects only the fused down of one round (expert_major_published_down); never where
+// the mode forbids it.
 TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   const auto early = [](const cuda::DevLayer& L, int n) { return cuda::expert_major_launch(L, n).early_down; };
   cuda::DevLayer qwen;  // qwen3-30b-a3b: 128 experts, top-8, H 2048, I 768
@@ -1967,7 +1968,7 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   qwen.router_outputs = 128, qwen.sm_count = 132;
   qwen.down_path = cuda::kPathNvfp4Tiled;
   ASSERT_TRUE(cuda::expert_major_launch(qwen, 1).gate_up_selects);
-  EXPECT_FALSE(early(qwen, 1));  // by default not where its gate_up writes the items the down reads first
+  EXPECT_TRUE(early(qwen, 1));  // the fused down, reading the items its selecting gate_up publishes
   ASSERT_GT(cuda::expert_major_launch(qwen, 2).down_blend_ways, 0);
   EXPECT_TRUE(early(qwen, 2));  // the fused down and blend
   EXPECT_TRUE(early(qwen, 8));
@@ -1991,12 +1992,14 @@ TEST(ExpertMajorSizing, EarlyDownWhereTheKernelsAllowIt) {
   EXPECT_FALSE(early(ds, 64));  // the hot experts' chain on a second stream
   ds.early_down = 0;
   EXPECT_FALSE(early(ds, 1));
-  qwen.early_down = 1;  // forced: also the fused down after a gate_up that selects, reading its published items
+  qwen.early_down = 1;  // forced: still only where the kernels allow it
   ASSERT_TRUE(cuda::expert_major_published_down(cuda::expert_major_launch(qwen, 1)));
   EXPECT_TRUE(early(qwen, 1));
   EXPECT_TRUE(early(qwen, 2));
+  qwen.early_down = 0;
+  EXPECT_FALSE(early(qwen, 1));
   cuda::DevLayer wide = qwen;  // top-20 of I = 256: 20 items, one warp each in two rounds (the rolled kernel)
-  wide.top_k = 20, wide.act_stride = 256;
+  wide.top_k = 20, wide.act_stride = 256, wide.early_down = 1;
   const cuda::ExpertMajorLaunch w1 = cuda::expert_major_launch(wide, 1);
   ASSERT_TRUE(w1.gate_up_selects && w1.down_blend_ways == 1 && w1.down_blend_rounds == 2);
   EXPECT_FALSE(cuda::expert_major_published_down(w1));

@@ -61,12 +61,11 @@ struct CudaMoeOptions {
   // for that kernel's end before they read anything (cuda::expert_major_early_gate_up); nullopt
   // does so in calls of one token only; false launches it after that kernel ends.
   std::optional<bool> early_gate_up = std::nullopt;
-  // Expert-major calls whose gate_up does not select, on one stream: true or nullopt launches the
-  // down while gate_up's last blocks still run (programmatic dependent launch), its blocks loading
-  // their first weights before they wait for gate_up's activations (cuda::expert_major_early_down);
-  // false launches it after gate_up ends. true also does so for the fused down and blend of a
-  // one-token call whose gate_up selects, its blocks first waiting for the items that gate_up's block
-  // (0, 0) publishes (cuda::expert_major_published_down); nullopt does not, until it is measured.
+  // Expert-major calls on one stream: true or nullopt launches the down while gate_up's last blocks
+  // still run (programmatic dependent launch), its blocks loading their first weights before they
+  // wait for gate_up's activations (cuda::expert_major_early_down); where gate_up selects (one
+  // token), only the fused down and blend, whose blocks first wait for the items that gate_up's
+  // block (0, 0) publishes (cuda::expert_major_published_down). false launches it after gate_up ends.
   std::optional<bool> early_down = std::nullopt;
   // Expert-major calls whose down is staged and launched during gate_up: true or nullopt lets each
   // down block start on its work item as soon as that item's gate_up blocks have stored its

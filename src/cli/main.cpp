@@ -598,10 +598,9 @@ int main(int argc, char** argv) {
                         "one token (auto) or in all (on), or after that kernel ends (off)")
       ->capture_default_str();
   bench_cmd->add_option("--early-down", bench.early_down,
-                        "CUDA expert-major calls on one stream whose gate_up does not select: the down launched while "
-                        "gate_up's last blocks run, loading its first weights before it waits (auto and on), or after "
-                        "gate_up ends (off); on also launches a one-token call's fused down during a gate_up that "
-                        "selects, reading the items it publishes")
+                        "CUDA expert-major calls on one stream: the down launched while gate_up's last blocks run, "
+                        "loading its first weights before it waits (auto and on; after a gate_up that selects, the "
+                        "fused down only, reading the items gate_up publishes), or after gate_up ends (off)")
       ->capture_default_str();
   bench_cmd->add_option("--item-release", bench.item_release,
                         "CUDA expert-major calls whose staged down is launched during gate_up: each down block starts "

@@ -618,9 +618,9 @@ inline void expert_major_gemm_details(const DevLayer& L, ExpertMajorLaunch& c) {
 // Whether a call whose gate_up selects (one token) can launch its down during gate_up: only the
 // fused down and blend of one round (moe_expert_down_blend), which then reads the items that
 // gate_up's block (0, 0) publishes (DevWorkspace::items_published) once they are flagged, in place
-// of the route kernel's. Run only where the early down is forced (expert_major_early_down's mode
-// 1), until it is measured: the form that selected in the down itself ran 0.94x at qwen3-30b N = 1
-// on an H100 (docs/PERF.md, v3.46).
+// of the route kernel's. Measured on an H100 against the down launched after gate_up (docs/PERF.md,
+// v3.47): qwen3-30b-a3b N = 1 1.04-1.05x per call; the form that selected in the down itself had
+// run 0.94x (v3.46).
 inline bool expert_major_published_down(const ExpertMajorLaunch& c) {
   return c.gate_up_selects && c.down_blend_ways > 0 && c.down_blend_rounds == 1;
 }
@@ -631,16 +631,16 @@ inline bool expert_major_published_down(const ExpertMajorLaunch& c) {
 // leave, read their items and table entries and load their first chunks of weights, and only then
 // wait for gate_up's grid to finish (griddepcontrol.wait, in mma_rows) before they read its
 // activations (split-K) or copy them into shared memory (staged). Only where gate_up does not
-// select (its items and routes are then the route kernel's, read before the wait), or where it is
-// forced and the down reads gate_up's published items (expert_major_published_down), and the call
+// select (its items and routes are then the route kernel's, read before the wait) or where the down
+// reads the items that a selecting gate_up publishes (expert_major_published_down), and the call
 // has no second stream (neither mixed token tiles nor the shared expert apart, whose join would meet
-// a programmatic edge). `mode` forbids it (0), allows it wherever it can run (1), or by default
-// (-1) wherever gate_up does not select. Measured on an H100 against off (docs/PERF.md v3.35, v3.36): 1.03-1.08x per call at the
+// a programmatic edge). `mode` forbids it (0) or allows it wherever it can run (1, also by default,
+// -1). Measured on an H100 against off (docs/PERF.md v3.35, v3.36): 1.03-1.08x per call at the
 // Qwen shapes' N = 1-8 (split-K or fused down and blend), 1.01-1.02x at DeepSeek-V3 N = 1-2 with
 // its shared expert in the call; the staged down (N = 16-256) 1.002-1.007x.
 inline bool expert_major_early_down(int mode, const ExpertMajorLaunch& c) {
   if (mode == 0 || c.mixed || c.shared_apart) return false;
-  return !c.gate_up_selects || (mode == 1 && expert_major_published_down(c));
+  return !c.gate_up_selects || expert_major_published_down(c);
 }
 
 // Whether an early down (expert_major_early_down) that is staged starts each block on its work
