@@ -734,9 +734,8 @@ TEST_F(Cuda, EarlyGateUpMatchesTheReference) {
 }
 
 // The fused down and blend launched during a gate_up that selects (cuda::expert_major_published_down):
-// its blocks wait for the flag that gate_up's block (0, 0) raises once it has
-// written the call's items, read them, and load their first weights before they wait for gate_up's
-// grid. Through early_launch_cases (the early down forced off, then on; the gate_up launched during
+// its blocks wait for the flag that gate_up's block (0, 0) raises once it has written the call's
+// items, read them, and load their first weights before they wait for gate_up's grid. Through early_launch_cases (the early down forced off, then on; the gate_up launched during
 // routing, as by default at N = 1) at N = 1 on shapes whose gate_up selects: 4, 2 and 1 warps per item
 // (top-4, top-8 and top-12 Qwen3-MoE), group-limited routing with a shared expert (a DeepSeek-V3
 // shape of 4 groups keeping 2) and zero experts (LongCat, whose outputs add w x after the wait). With
