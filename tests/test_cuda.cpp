@@ -1047,6 +1047,18 @@ TEST_F(Cuda, WarpSelectionMatchesTheReferenceChoiceByChoice) {
   EXPECT_EQ(checked, 9 * 7);
 }
 
+// The selections divide each softmax exponential by the sum as three instructions from the sum's
+// reciprocal (cuda::softmax_quotient), which must give IEEE division's float every time, or a
+// choice between two near-equal scores could differ from the division's. 2^26 pairs over the
+// quotients' whole range; the plain product by the reciprocal, which is not always the division's,
+// must show up as differing on some of them, or the comparison could not see a last-bit error.
+TEST_F(Cuda, SoftmaxQuotientIsIeeeDivision) {
+  unsigned long long differ = 0, product_differs = 0;
+  ASSERT_EQ(testing::count_quotient_mismatches(1ll << 26, differ, product_differs), cudaSuccess);
+  EXPECT_EQ(differ, 0u);
+  EXPECT_GT(product_differs, (1ull << 26) / 100);
+}
+
 // The blend's variants (cuda::blend_loads_first, blend_aligned) add the same terms in the same
 // order, so their outputs agree bit for bit: one output per thread with all loads first within a
 // wave (N = 7: both outputs below; N = 1 blends in the down kernel, moe_expert_down_blend, whose

@@ -651,11 +651,12 @@ __device__ void route_one_token_block(const DevLayer& L, int t, const DevWorkspa
     sum += score[i];
   }
   if (softmax) sum = block_reduce(sum, false);
+  const float inverse = softmax ? __frcp_rn(sum) : 0.0f;
   float key[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int e = threadIdx.x + kThreads * i;
-    if (softmax) score[i] /= sum;
+    if (softmax) score[i] = softmax_quotient(score[i], sum, inverse);
     key[i] = e < outputs ? score[i] + (L.correction_bias ? L.correction_bias_values[e] : 0.0f) : -INFINITY;
     if (e < outputs) scores[e] = score[i], keys[e] = key[i];
   }
@@ -873,8 +874,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(DevLayer L, De
     local_sum += s;
   }
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
-    const float sum = block_sum(local_sum);
-    for (int e = threadIdx.x; e < outputs; e += blockDim.x) scores[e] /= sum;
+    const float sum = block_sum(local_sum), inverse = __frcp_rn(sum);
+    for (int e = threadIdx.x; e < outputs; e += blockDim.x) scores[e] = softmax_quotient(scores[e], sum, inverse);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < outputs; e += blockDim.x) {

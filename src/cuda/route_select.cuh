@@ -134,8 +134,22 @@ __device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool 
   return w * L.scaling;
 }
 
+// x / d for a softmax's score, the same float as IEEE division's `x / d` in three dependent
+// instructions instead of a reciprocal, its refinement and a branch to the slow path per call:
+// r = RN(1 / d) (__frcp_rn) is computed once per token. Markstein's theorem: where r is 1 / d
+// correctly rounded and q = RN(x r) lies within an ulp of x / d, the residual x - q d is exact
+// and RN(q + (x - q d) r) = RN(x / d), as long as no step leaves the normal range. Here x is an
+// exponential of a logit less the maximum (at most 1) and d the sum that includes that maximum's
+// 1, so that only a tiny x could: below 2^-64 the plain division takes over, as it does for a
+// NaN.
+__device__ __forceinline__ float softmax_quotient(float x, float d, float r) {
+  if (!(x >= 0x1p-64f)) return x / d;
+  const float q = __fmul_rn(x, r);
+  return __fmaf_rn(__fmaf_rn(-q, d, x), r, q);
+}
+
 // An expert's score from its logit (DESIGN.md section 2), in fp32 as the reference blocks compute
-// it; softmax's exponential only (the caller divides by the sum).
+// it; softmax's exponential only (the caller divides by the sum: softmax_quotient).
 __device__ __forceinline__ float expert_score(const DevLayer& L, float logit, float max_logit) {
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return expf(logit - max_logit);
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return 1.0f / (1.0f + expf(-logit));
@@ -200,8 +214,9 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
   }
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
     sum = warp_sum(sum);
+    const float inverse = __frcp_rn(sum);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) score[i] /= sum;
+    for (int i = 0; i < kPerLane; ++i) score[i] = softmax_quotient(score[i], sum, inverse);
   }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
