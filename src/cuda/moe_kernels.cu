@@ -650,13 +650,11 @@ __device__ void route_one_token_block(const DevLayer& L, int t, const DevWorkspa
     score[i] = expert_score(L, score[i], max_logit);
     sum += score[i];
   }
-  if (softmax) sum = block_reduce(sum, false);
-  const float inverse = softmax ? __frcp_rn(sum) : 0.0f;
+  if (softmax) divide_scores(score, block_reduce(sum, false), [&](int i) { return threadIdx.x + kThreads * i < outputs; });
   float key[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int e = threadIdx.x + kThreads * i;
-    if (softmax) score[i] = softmax_quotient(score[i], sum, inverse);
     key[i] = e < outputs ? score[i] + (L.correction_bias ? L.correction_bias_values[e] : 0.0f) : -INFINITY;
     if (e < outputs) scores[e] = score[i], keys[e] = key[i];
   }

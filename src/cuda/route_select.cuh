@@ -139,13 +139,33 @@ __device__ __forceinline__ float chosen_weight(const DevLayer& L, float w, bool 
 // r = RN(1 / d) (__frcp_rn) is computed once per token. Markstein's theorem: where r is 1 / d
 // correctly rounded and q = RN(x r) lies within an ulp of x / d, the residual x - q d is exact
 // and RN(q + (x - q d) r) = RN(x / d), as long as no step leaves the normal range. Here x is an
-// exponential of a logit less the maximum (at most 1) and d the sum that includes that maximum's
-// 1, so that only a tiny x could: below 2^-64 the plain division takes over, as it does for a
-// NaN.
-__device__ __forceinline__ float softmax_quotient(float x, float d, float r) {
-  if (!(x >= 0x1p-64f)) return x / d;
+// exponential of a logit less the maximum (0 to 1, or NaN) and d the sum that includes that
+// maximum's 1, so that only a tiny x could: there (needs_plain_division) the caller divides.
+// 0 and NaN come out as the division's.
+__device__ __forceinline__ bool needs_plain_division(float x) { return x > 0.0f && x < 0x1p-64f; }
+__device__ __forceinline__ float quotient_from_reciprocal(float x, float d, float r) {
   const float q = __fmul_rn(x, r);
   return __fmaf_rn(__fmaf_rn(-q, d, x), r, q);
+}
+__device__ __forceinline__ float softmax_quotient(float x, float d, float r) {
+  return needs_plain_division(x) ? x / d : quotient_from_reciprocal(x, d, r);
+}
+// The same over a thread's scores, x[i] / d where valid(i) (the rest are left as they are): one
+// branch per thread rather than one per score, so that the unrolled quotients are one block of
+// straight-line code.
+template <int kCount, typename Valid>
+__device__ __forceinline__ void divide_scores(float (&x)[kCount], float d, Valid valid) {
+  bool plain = false;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) plain |= valid(i) && needs_plain_division(x[i]);
+  if (plain) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) x[i] = valid(i) ? x[i] / d : x[i];
+  } else {
+    const float r = __frcp_rn(d);
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) x[i] = valid(i) ? quotient_from_reciprocal(x[i], d, r) : x[i];
+  }
 }
 
 // An expert's score from its logit (DESIGN.md section 2), in fp32 as the reference blocks compute
@@ -213,10 +233,7 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
     sum += score[i];
   }
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
-    sum = warp_sum(sum);
-    const float inverse = __frcp_rn(sum);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) score[i] = softmax_quotient(score[i], sum, inverse);
+    divide_scores(score, warp_sum(sum), [&](int i) { return lane + kWarp * i < outputs; });
   }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
