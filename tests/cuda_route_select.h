@@ -14,12 +14,13 @@ namespace moeinfer::testing {
 // device where it has any). Waits for the kernel.
 cudaError_t select_with_warps(const cuda::DevLayer& layer, int per_lane, int n, const cuda::DevWorkspace& ws);
 
-// cuda::softmax_quotient(x, d, RN(1 / d)) and cuda::divide_scores (on x and a slot it must
-// leave alone) against IEEE division's x / d on `pairs` pseudo-random pairs: x in [0, 1] over
-// every exponent down to the subnormals (with 0, 1, values just under 1 and NaN among them), d in
-// [1, 4096) (with its powers of two). `differ` gets how many of the two forms' floats differ bit
-// for bit (two NaNs agree); `product_differs`, as a control that the comparison sees a last-bit
-// difference, how many differ for the plain product RN(x RN(1 / d)). Waits for the kernel.
+// cuda::softmax_quotient(x, d, RN(1 / d)) and cuda::divide_scores (on x beside 0.5, or beside
+// a subnormal that takes its plain division) against IEEE division's x / d on `pairs`
+// pseudo-random pairs: x in [0, 1] over every exponent down to the subnormals (with 0, 1, values
+// just under 1 and NaN among them), d in [1, 4096) (with its powers of two). `differ` gets how
+// many of the two forms' floats differ bit for bit (two NaNs agree); `product_differs`, as a
+// control that the comparison sees a last-bit difference, how many differ for the plain product
+// RN(x RN(1 / d)). Waits for the kernel.
 cudaError_t count_quotient_mismatches(long long pairs, unsigned long long& differ,
                                       unsigned long long& product_differs);
 

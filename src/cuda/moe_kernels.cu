@@ -643,14 +643,8 @@ __device__ void route_one_token_block(const DevLayer& L, int t, const DevWorkspa
     max_logit = fmaxf(max_logit, score[i]);
   }
   if (softmax) max_logit = block_reduce(max_logit, true);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    if (threadIdx.x + kThreads * i >= outputs) continue;
-    score[i] = expert_score(L, score[i], max_logit);
-    sum += score[i];
-  }
-  if (softmax) divide_scores(score, block_reduce(sum, false), [&](int i) { return threadIdx.x + kThreads * i < outputs; });
+  const float sum = thread_scores(L, score, max_logit);
+  if (softmax) divide_scores(score, block_reduce(sum, false));
   float key[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {

@@ -150,21 +150,20 @@ __device__ __forceinline__ float quotient_from_reciprocal(float x, float d, floa
 __device__ __forceinline__ float softmax_quotient(float x, float d, float r) {
   return needs_plain_division(x) ? x / d : quotient_from_reciprocal(x, d, r);
 }
-// The same over a thread's scores, x[i] / d where valid(i) (the rest are left as they are): one
-// branch per thread rather than one per score, so that the unrolled quotients are one block of
-// straight-line code.
-template <int kCount, typename Valid>
-__device__ __forceinline__ void divide_scores(float (&x)[kCount], float d, Valid valid) {
+// The same over a thread's scores, x[i] / d for each: one branch per thread rather than one per
+// score, so that the unrolled quotients are one block of straight-line code.
+template <int kCount>
+__device__ __forceinline__ void divide_scores(float (&x)[kCount], float d) {
   bool plain = false;
 #pragma unroll
-  for (int i = 0; i < kCount; ++i) plain |= valid(i) && needs_plain_division(x[i]);
+  for (int i = 0; i < kCount; ++i) plain |= needs_plain_division(x[i]);
   if (plain) {
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) x[i] = valid(i) ? x[i] / d : x[i];
+    for (int i = 0; i < kCount; ++i) x[i] /= d;
   } else {
     const float r = __frcp_rn(d);
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) x[i] = valid(i) ? quotient_from_reciprocal(x[i], d, r) : x[i];
+    for (int i = 0; i < kCount; ++i) x[i] = quotient_from_reciprocal(x[i], d, r);
   }
 }
 
@@ -174,6 +173,26 @@ __device__ __forceinline__ float expert_score(const DevLayer& L, float logit, fl
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return expf(logit - max_logit);
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return 1.0f / (1.0f + expf(-logit));
   return logit;
+}
+// The same over a thread's logits in place, the function tested once for all of them, so that
+// each function's scores are straight-line code. A slot past the router's outputs holds -inf and
+// comes out 0 or -inf, which no choice reads (its key is -inf); its 0 adds nothing to the sum.
+// Returns this thread's part of the softmax's sum, its exponentials added in slot order (0 for
+// the other functions).
+template <int kCount>
+__device__ __forceinline__ float thread_scores(const DevLayer& L, float (&x)[kCount], float max_logit) {
+  float sum = 0.0f;
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      x[i] = expf(x[i] - max_logit);
+      sum += x[i];
+    }
+  } else if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) x[i] = 1.0f / (1.0f + expf(-x[i]));
+  }
+  return sum;
 }
 
 // Group-limited routing, by one warp over one token's keys in shared memory: a group scores the
@@ -224,17 +243,8 @@ __device__ __forceinline__ void route_token_warp(const DevLayer& L, int t, const
   }
   for (int o = kWarp / 2; o > 0; o /= 2) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xFFFFFFFFu, max_logit, o));
   // Scores, in fp32 as the reference blocks compute them.
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + kWarp * i;
-    if (e >= outputs) continue;
-    score[i] = expert_score(L, score[i], max_logit);
-    sum += score[i];
-  }
-  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
-    divide_scores(score, warp_sum(sum), [&](int i) { return lane + kWarp * i < outputs; });
-  }
+  const float sum = thread_scores(L, score, max_logit);
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) divide_scores(score, warp_sum(sum));
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + kWarp * i;
