@@ -226,9 +226,9 @@ struct DevWorkspace {
   bool item_release = false;
   // [2] a flag and a count of its readers, both zero between calls. Set per call only where the
   // fused down is launched during a gate_up that selects (ExpertMajorLaunch::early_down where
-  // expert_major_published_down), else null: gate_up's block (0, 0) raises the flag once it has written the call's
-  // items, the down's blocks wait for it before they read them, and the last of them lowers it
-  // (flag_items_published, wait_items_published, done_with_published_items).
+  // expert_major_published_down), else null: gate_up's block (0, 0) raises the flag once it has
+  // written the call's items, the down's blocks wait for it before they read them, and the last of
+  // them lowers it (flag_items_published, wait_items_published, done_with_published_items).
   int32_t* items_published = nullptr;
 };
 

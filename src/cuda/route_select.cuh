@@ -169,9 +169,11 @@ __device__ __forceinline__ void divide_scores(float (&x)[kCount], float d) {
 
 // An expert's score from its logit (DESIGN.md section 2), in fp32 as the reference blocks compute
 // it; softmax's exponential only (the caller divides by the sum: softmax_quotient).
+__device__ __forceinline__ float softmax_exponential(float logit, float max_logit) { return expf(logit - max_logit); }
+__device__ __forceinline__ float sigmoid_score(float logit) { return 1.0f / (1.0f + expf(-logit)); }
 __device__ __forceinline__ float expert_score(const DevLayer& L, float logit, float max_logit) {
-  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return expf(logit - max_logit);
-  if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return 1.0f / (1.0f + expf(-logit));
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return softmax_exponential(logit, max_logit);
+  if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return sigmoid_score(logit);
   return logit;
 }
 // The same over a thread's logits in place, the function tested once for all of them, so that
@@ -185,12 +187,12 @@ __device__ __forceinline__ float thread_scores(const DevLayer& L, float (&x)[kCo
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
-      x[i] = expf(x[i] - max_logit);
+      x[i] = softmax_exponential(x[i], max_logit);
       sum += x[i];
     }
   } else if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) {
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) x[i] = 1.0f / (1.0f + expf(-x[i]));
+    for (int i = 0; i < kCount; ++i) x[i] = sigmoid_score(x[i]);
   }
   return sum;
 }
