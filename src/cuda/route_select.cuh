@@ -167,10 +167,11 @@ __device__ __forceinline__ void divide_scores(float (&x)[kCount], float d) {
   }
 }
 
-// An expert's score from its logit (DESIGN.md section 2), in fp32 as the reference blocks compute
-// it; softmax's exponential only (the caller divides by the sum: softmax_quotient).
+// The score functions' formulas (DESIGN.md section 2), in fp32 as the reference blocks compute
+// them; softmax's exponential only (the caller divides by the sum: softmax_quotient).
 __device__ __forceinline__ float softmax_exponential(float logit, float max_logit) { return expf(logit - max_logit); }
 __device__ __forceinline__ float sigmoid_score(float logit) { return 1.0f / (1.0f + expf(-logit)); }
+// An expert's score from its logit by the layer's score function.
 __device__ __forceinline__ float expert_score(const DevLayer& L, float logit, float max_logit) {
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSoftmax)) return softmax_exponential(logit, max_logit);
   if (L.score == static_cast<uint8_t>(ScoreFunc::kSigmoid)) return sigmoid_score(logit);
