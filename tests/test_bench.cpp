@@ -5,6 +5,7 @@
 #include <cctype>
 #include <string>
 
+#include "cpu/moe_cpu.h"
 #include "moeinfer/bench.h"
 #include "moeinfer/presets.h"
 #include "test_util.h"
@@ -62,6 +63,8 @@ TEST(Bench, CpuRowsCarryTheComputeFloor) {
   const bool avx2 = result.peak_how.find("AVX2") != std::string::npos;
   for (const BenchRow& r : result.rows) {
     EXPECT_NE(r.config.find(avx2 ? "AVX2 decode in registers" : "no AVX2"), std::string::npos) << r.config;
+    EXPECT_EQ(r.config.find("(NVFP4, FP8 in AVX-512)") != std::string::npos, cpu_host_loops() == CpuLoops::kAvx512)
+        << r.config;
     EXPECT_NE(r.config.find(threads), std::string::npos) << r.config << " against " << result.peak_how;
     EXPECT_EQ(r.flops, call_flops(d, r.tokens, static_cast<double>(r.tokens * d.top_k))) << "N=" << r.tokens;
     EXPECT_NEAR(r.compute_us, r.flops / (result.peak_gflops * 1e3), 1e-9 * r.compute_us);

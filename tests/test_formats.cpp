@@ -1,6 +1,7 @@
 // Format codecs and quantizers: every code, the rounding rule at every tie, pack/unpack.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -200,10 +201,14 @@ TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
 // cpu_row_dots (weights decoded in registers once per tile of up to 8 tokens, else a decoded row
 // and one dot per token) against the format's own decoder and a double-precision dot, for every
 // format, ragged widths, 1 to 19 tokens and 37 (every tile size, whole and ragged tilings), and
-// outputs poisoned first. The
-// tolerance is fp32 summation over `cols` terms in another order: 1e-5 of the sum of
-// |w x|.
-TEST(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
+// outputs poisoned first, on each of the inner loops (CpuLoops) that this CPU runs; the others
+// skip, naming what the CPU lacks. The tolerance is fp32 summation over `cols` terms in another
+// order: 1e-5 of the sum of |w x|.
+class CpuRowDots : public ::testing::TestWithParam<CpuLoops> {};
+
+TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
+  const CpuLoops loops = GetParam();
+  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need (AVX2 + FMA + F16C, or AVX-512 F, BW, VL and VBMI)";
   const std::vector<QuantSpec> specs = {{WeightFormat::kNVFP4},
                                         {WeightFormat::kFP8, Fp8Scaling::kBlock128},
                                         {WeightFormat::kFP8, Fp8Scaling::kPerChannel},
@@ -223,7 +228,7 @@ TEST(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
         for (int64_t r = 0; r < rows; ++r) {
           m.dequantize_row(r, row.data());
           std::vector<float> got(static_cast<size_t>(tokens), std::nanf(""));
-          cpu_row_dots(m, r, x.data(), stride, tokens, got.data(), scratch);
+          cpu_row_dots(m, r, x.data(), stride, tokens, got.data(), scratch, loops);
           for (int64_t j = 0; j < tokens; ++j) {
             double expected = 0.0, magnitude = 0.0;
             for (int64_t c = 0; c < cols; ++c) {
@@ -239,6 +244,86 @@ TEST(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
     }
   }
 }
+
+// Each code's value through the dots themselves: token j one-hot at column c + j, so that out[j]
+// is that column's weight alone, which must be dequantize_row's value exactly (one rounding in
+// both). NVFP4: every byte (code pair) under block scales across E4M3's range; FP8: every code
+// but the NaNs under each scaling, on ragged widths (the 32-, 16- and 1-column steps); then a
+// NaN code, which must make every token's sum NaN. 1, 2, 3 and 8 tokens per call.
+TEST_P(CpuRowDots, EveryCodeGivesDequantizeRowsValue) {
+  const CpuLoops loops = GetParam();
+  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need";
+  std::vector<QuantMatrix> matrices;
+  QuantMatrix nvfp4;
+  nvfp4.spec = {WeightFormat::kNVFP4};
+  nvfp4.rows = 1;
+  nvfp4.cols = 512;
+  for (int b = 0; b < 256; ++b) nvfp4.data.push_back(static_cast<uint8_t>(b));
+  for (int g = 0; g < 32; ++g) nvfp4.block_scales.push_back(static_cast<uint8_t>(g * 4 + 1));  // 2^-9 .. 416
+  nvfp4.global_scale = 0.375f;
+  ASSERT_OK(nvfp4.check("nvfp4"));
+  matrices.push_back(nvfp4);
+  for (Fp8Scaling scaling : {Fp8Scaling::kBlock128, Fp8Scaling::kPerChannel, Fp8Scaling::kPerTensor}) {
+    for (int64_t cols : {301, 48, 5}) {
+      QuantMatrix m = take(QuantMatrix::quantize(make_tokens(2, cols, static_cast<uint64_t>(cols)), 2, cols,
+                                                  {WeightFormat::kFP8, scaling}));
+      int code = 0;
+      for (uint8_t& b : m.data) {
+        while ((code & 0x7F) == 0x7F) code = (code + 1) % 256;  // the NaN codes: below
+        b = static_cast<uint8_t>(code);
+        code = (code + 1) % 256;
+      }
+      matrices.push_back(m);
+    }
+  }
+  std::vector<float> scratch;
+  for (const QuantMatrix& m : matrices) {
+    const auto cols = static_cast<size_t>(m.cols);
+    std::vector<float> expected(cols);
+    for (int64_t tokens : {1, 2, 3, 8}) {
+      for (int64_t r = 0; r < m.rows; ++r) {
+        m.dequantize_row(r, expected.data());
+        for (int64_t c = 0; c < m.cols; c += tokens) {
+          const int64_t here = std::min<int64_t>(tokens, m.cols - c);
+          std::vector<float> x(static_cast<size_t>(here) * cols, 0.0f), got(static_cast<size_t>(here), std::nanf(""));
+          for (int64_t j = 0; j < here; ++j) x[static_cast<size_t>(j) * cols + static_cast<size_t>(c + j)] = 1.0f;
+          cpu_row_dots(m, r, x.data(), m.cols, here, got.data(), scratch, loops);
+          for (int64_t j = 0; j < here; ++j) {
+            ASSERT_EQ(got[static_cast<size_t>(j)], expected[static_cast<size_t>(c + j)])
+                << format_name(m.spec.format) << " cols " << m.cols << " row " << r << " col " << c + j << " tokens "
+                << tokens;
+          }
+        }
+      }
+    }
+  }
+  // A NaN code in each kind of step: 32 columns (col 2), 16 (col 40 of 48), one (col 300 of 301).
+  for (const QuantMatrix& m : matrices) {
+    if (m.spec.format != WeightFormat::kFP8) continue;
+    for (int64_t col : {2, 40, 300}) {
+      if (col >= m.cols || (col == 40 && m.cols != 48)) continue;
+      QuantMatrix nan_row = m;
+      nan_row.data[static_cast<size_t>(col)] = 0xFF;
+      for (int64_t tokens : {1, 2, 3, 8}) {
+        const std::vector<float> x(static_cast<size_t>(tokens * m.cols), 0.5f);
+        std::vector<float> got(static_cast<size_t>(tokens), 0.0f);
+        cpu_row_dots(nan_row, 0, x.data(), m.cols, tokens, got.data(), scratch, loops);
+        for (int64_t j = 0; j < tokens; ++j) {
+          EXPECT_TRUE(std::isnan(got[static_cast<size_t>(j)]))
+              << fp8_scaling_name(m.spec.fp8_scaling) << " cols " << m.cols << " NaN at " << col << " tokens " << tokens;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Loops, CpuRowDots,
+                         ::testing::Values(CpuLoops::kPortable, CpuLoops::kAvx2, CpuLoops::kAvx512),
+                         [](const ::testing::TestParamInfo<CpuLoops>& p) {
+                           return std::string(p.param == CpuLoops::kPortable ? "portable"
+                                              : p.param == CpuLoops::kAvx2   ? "avx2"
+                                                                                : "avx512");
+                         });
 
 TEST(Nvfp4, PacksElementZeroInTheLowNibble) {
   std::vector<float> row(16, 0.0f);

@@ -3,14 +3,17 @@
 // bytes than any L3 here, so the weights come from DRAM as in a layer call) dotted with M
 // distinct tokens. Prints the best of 5 passes as weight GB/s and multiply-adds per second.
 //
-//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8]
+//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512]
+// --loops picks the inner loops (moeinfer::CpuLoops; default: the host's fastest).
 // Run it with OMP_NUM_THREADS=1 beside nothing else; `moeinfer bench --backend cpu` is the
 // measure of a whole call.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,14 +40,21 @@ std::vector<int> parse_list(const std::string& s) {
 int main(int argc, char** argv) {
   std::vector<std::string> formats;
   std::vector<int> tokens = {1, 2, 4, 8};
+  moeinfer::CpuLoops loops = moeinfer::cpu_host_loops();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc) {
       tokens = parse_list(argv[++i]);
+    } else if (a == "--loops" && i + 1 < argc && (std::string(argv[i + 1]) == "avx2" || std::string(argv[i + 1]) == "avx512")) {
+      loops = std::string(argv[++i]) == "avx2" ? moeinfer::CpuLoops::kAvx2 : moeinfer::CpuLoops::kAvx512;
+      if (loops > moeinfer::cpu_host_loops()) {
+        fmt::print(stderr, "--loops {}: this CPU does not run them\n", argv[i]);
+        return 2;
+      }
     } else if (a == "bf16" || a == "fp8" || a == "nvfp4") {
       formats.push_back(a);
     } else {
-      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8]\n");
+      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512]\n");
       return 2;
     }
   }
@@ -70,14 +80,17 @@ int main(int argc, char** argv) {
       bytes += matrices.back().data.size() + matrices.back().block_scales.size();
     }
     for (int m : tokens) {
-      std::vector<float> x(static_cast<size_t>(m * kCols)), out(static_cast<size_t>(m)), row;
+      // x from a 64-byte boundary, as the CPU backend holds its jobs' inputs (CacheLineAllocator).
+      std::vector<float> storage(static_cast<size_t>(m * kCols + 16)), out(static_cast<size_t>(m)), row;
+      const size_t skip = (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
+      const std::span<float> x(storage.data() + skip, static_cast<size_t>(m * kCols));
       for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 97) / 97.0f - 0.5f;
       double best = 1e30, sink = 0.0;
       for (int pass = 0; pass < 5; ++pass) {
         const auto start = std::chrono::steady_clock::now();
         for (const QuantMatrix& w : matrices) {
           for (int64_t r = 0; r < kRows; ++r) {
-            moeinfer::cpu_row_dots(w, r, x.data(), kCols, m, out.data(), row);
+            moeinfer::cpu_row_dots(w, r, x.data(), kCols, m, out.data(), row, loops);
             sink += out[0];
           }
         }

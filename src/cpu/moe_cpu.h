@@ -41,6 +41,20 @@ inline constexpr int kCpuTokenTile = 8;
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row);
 
+// The inner loops cpu_row_dots can run, each needing more of the CPU than the one before:
+// rows decoded to floats, then dotted (any CPU); AVX2 with FMA and F16C (weights decoded in
+// registers); AVX-512 F, BW, VL and VBMI (NVFP4 and FP8 decoded 16 values to a register; BF16 as
+// with AVX2).
+enum class CpuLoops { kPortable, kAvx2, kAvx512 };
+
+// The fastest loops this host runs: what cpu_row_dots uses.
+CpuLoops cpu_host_loops();
+
+// cpu_row_dots on the given loops, or on the host's fastest where it lacks them (tests and probes
+// compare the loops).
+void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
+                  std::vector<float>& row, CpuLoops loops);
+
 // What the backend's calls run on this host, for the benchmark's rows: the inner loop the CPU
 // allows (AVX2 with FMA and F16C, or the portable one) and the OpenMP threads.
 std::string cpu_backend_config();
