@@ -250,12 +250,13 @@ MOEINFER_AVX2 void row_dots_fp8_avx2(const QuantMatrix& m, int64_t r, const floa
   for (int j = 0; j < M; ++j) out[j] = sum8(acc[j]) + tail[j];
 }
 
-// BF16: 8 values per step; up to 2 tokens, odd and even steps go to two accumulators (one FMA
-// per step on each accumulator's chain would otherwise set the pace).
+// BF16: 8 values per step; up to 3 tokens, odd and even steps go to two accumulators (one FMA
+// per step on each accumulator's chain would otherwise set the pace: at 3 tokens, 24-25 G
+// multiply-adds per second on one core with one, 33-36 with two; docs/PERF.md, CPU backend v6).
 template <int M>
 MOEINFER_AVX2 void row_dots_bf16_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
   const uint8_t* bytes = m.data.data() + r * m.cols * 2;
-  constexpr int kSplit = M <= 2 ? 2 : 1;
+  constexpr int kSplit = M <= 3 ? 2 : 1;
   __m256 acc[kSplit][M];
   float tail[M];
   for (int j = 0; j < M; ++j) {
