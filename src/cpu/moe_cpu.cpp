@@ -223,6 +223,17 @@ MOEINFER_AVX2 void row_dots_nvfp4_avx2(const QuantMatrix& m, int64_t r, const fl
   }
 }
 
+// tail[j] + the FP8 codes [c, c1) of a span, one at a time, . token j there (a span's last
+// columns past the vector steps).
+template <int M>
+inline void fp8_tail_dots(const uint8_t* codes, float scale, const float* x, int64_t stride, int64_t c, int64_t c1,
+                          float (&tail)[M]) {
+  for (; c < c1; ++c) {
+    const float w = e4m3_to_float(codes[c]) * scale;
+    for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
+  }
+}
+
 // FP8: each span's values x 2^-8 times the tokens, then that sum times 2^8 and the span's scale.
 template <int M>
 MOEINFER_AVX2 void row_dots_fp8_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
@@ -242,10 +253,7 @@ MOEINFER_AVX2 void row_dots_fp8_avx2(const QuantMatrix& m, int64_t r, const floa
     }
     const __m256 scale8 = _mm256_set1_ps(scale), up = _mm256_set1_ps(0x1p8f);
     for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(span[j], up), scale8, acc[j]);
-    for (; c < c1; ++c) {
-      const float w = e4m3_to_float(codes[c]) * scale;
-      for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
-    }
+    fp8_tail_dots<M>(codes, scale, x, stride, c, c1, tail);
   }
   for (int j = 0; j < M; ++j) out[j] = sum8(acc[j]) + tail[j];
 }
@@ -427,10 +435,7 @@ MOEINFER_AVX512 void row_dots_fp8_avx512(const QuantMatrix& m, int64_t r, const 
       for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, span[i][j]);
       acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(sum, up), scale16, acc[j]);
     }
-    for (; c < c1; ++c) {
-      const float w = e4m3_to_float(codes[c]) * scale;
-      for (int j = 0; j < M; ++j) tail[j] += w * x[j * stride + c];
-    }
+    fp8_tail_dots<M>(codes, scale, x, stride, c, c1, tail);
   }
   for (int j = 0; j < M; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) + tail[j];
 }
