@@ -1,9 +1,11 @@
 // One CPU core's speed at cpu_row_dots, the CPU backend's inner loop, per weight format and
 // tokens per decode: the rows of 48 matrices of 1536 x 2048 (qwen3-30b's gate_up shape; more
 // bytes than any L3 here, so the weights come from DRAM as in a layer call) dotted with M
-// distinct tokens. Prints the best of 5 passes as weight GB/s and multiply-adds per second.
+// distinct tokens. --cols K keeps the weights' count and gives the matrices K columns
+// (DeepSeek-V3's 7168, say). Prints the best of 5 passes as weight GB/s and multiply-adds per
+// second.
 //
-//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512]
+//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K]
 // --loops picks the inner loops (moeinfer::CpuLoops; default: the host's fastest).
 // Run it with OMP_NUM_THREADS=1 beside nothing else; `moeinfer bench --backend cpu` is the
 // measure of a whole call.
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> formats;
   std::vector<int> tokens = {1, 2, 4, 8};
   moeinfer::CpuLoops loops = moeinfer::cpu_host_loops();
+  int64_t cols = 2048;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc) {
@@ -51,10 +54,16 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "--loops {}: this CPU does not run them\n", argv[i]);
         return 2;
       }
+    } else if (a == "--cols" && i + 1 < argc) {
+      cols = std::atoll(argv[++i]);
+      if (cols < 128 || cols % 128 != 0 || cols > 65536) {
+        fmt::print(stderr, "--cols: {} is not a multiple of 128 from 128 to 65536\n", argv[i]);
+        return 2;
+      }
     } else if (a == "bf16" || a == "fp8" || a == "nvfp4") {
       formats.push_back(a);
     } else {
-      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512]\n");
+      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K]\n");
       return 2;
     }
   }
@@ -65,7 +74,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  constexpr int64_t kRows = 1536, kCols = 2048;
+  const int64_t kCols = cols, kRows = 1536 * 2048 / cols;
   constexpr int kMatrices = 48;
   std::vector<float> values(static_cast<size_t>(kRows * kCols));
   for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
