@@ -60,7 +60,10 @@ TEST(Bench, CpuRowsCarryTheComputeFloor) {
   while (digits > 0 && std::isdigit(static_cast<unsigned char>(result.peak_how[digits - 1]))) --digits;
   ASSERT_LT(digits, word) << result.peak_how;
   const std::string threads = result.peak_how.substr(digits, word - digits) + " thread";
-  const bool avx2 = result.peak_how.find("AVX2") != std::string::npos;
+  const bool avx2 = result.peak_how.find("AVX2 FMA") != std::string::npos ||
+                    result.peak_how.find("AVX-512 FMA") != std::string::npos;
+  EXPECT_EQ(result.peak_how.find("AVX-512 FMA") != std::string::npos, cpu_host_loops() == CpuLoops::kAvx512)
+      << result.peak_how;
   for (const BenchRow& r : result.rows) {
     EXPECT_NE(r.config.find(avx2 ? "AVX2 decode in registers" : "no AVX2"), std::string::npos) << r.config;
     EXPECT_EQ(r.config.find("(NVFP4, FP8 in AVX-512)") != std::string::npos, cpu_host_loops() == CpuLoops::kAvx512)

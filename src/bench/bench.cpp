@@ -195,8 +195,11 @@ Result<BenchResult> run_bench(const BenchConfig& cfg, const BenchProgress& progr
     ep_barrier();
     const CpuPeak peak = cpu_multiply_add_peak();
     rank_peak_gflops = 2.0 * peak.multiply_adds_per_second / 1e9;
-    result.peak_how = fmt::format("float {}, {} thread{}{}", peak.avx2 ? "AVX2 FMA" : "multiply and add", peak.threads,
-                                  peak.threads == 1 ? "" : "s", ep ? " per rank" : "");
+    const char* how = peak.loops == CpuLoops::kAvx512 ? "AVX-512 FMA"
+                      : peak.loops == CpuLoops::kAvx2   ? "AVX2 FMA"
+                                                        : "multiply and add";
+    result.peak_how = fmt::format("float {}, {} thread{}{}", how, peak.threads, peak.threads == 1 ? "" : "s",
+                                  ep ? " per rank" : "");
     if (ep) result.device += fmt::format(", {} MPI ranks", cfg.ep);
   }
   result.peak_gflops = ep_min(rank_peak_gflops);  // 0 where any rank could not measure it

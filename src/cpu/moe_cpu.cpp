@@ -548,6 +548,20 @@ MOEINFER_AVX2 float peak_chains_avx2(int64_t steps) {
   for (int c = 1; c < kPeakChains; ++c) acc[0] = _mm256_add_ps(acc[0], acc[c]);
   return sum8(acc[0]);
 }
+
+// The same 16 wide, where the loops run on AVX-512: the same peak on a CPU that splits a 512-bit
+// multiply-add over two 256-bit units (Zen 4), twice it on one with two 512-bit units (this
+// machine: 548 against 267 GFLOP/s on 2 threads, docs/PERF.md, CPU backend v6).
+MOEINFER_AVX512 float peak_chains_avx512(int64_t steps) {
+  __m512 acc[kPeakChains];
+  for (int c = 0; c < kPeakChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+  const __m512 scale = _mm512_set1_ps(kPeakScale), add = _mm512_set1_ps(kPeakAdd);
+  for (int64_t s = 0; s < steps; ++s) {
+    for (__m512& a : acc) a = _mm512_fmadd_ps(a, scale, add);
+  }
+  for (int c = 1; c < kPeakChains; ++c) acc[0] = _mm512_add_ps(acc[0], acc[c]);
+  return _mm512_reduce_add_ps(acc[0]);
+}
 #endif
 
 // The same without AVX2: what the baseline build's vectors do (a multiply and an add).
@@ -599,8 +613,9 @@ std::string cpu_backend_config() {
 CpuPeak cpu_multiply_add_peak() {
   CpuPeak peak;
   const HostLoops host = host_loops();
-  peak.avx2 = host.avx2;
+  peak.loops = host.avx2 ? cpu_host_loops() : CpuLoops::kPortable;
   peak.threads = host.threads;
+  const double lanes = peak.loops == CpuLoops::kAvx512 ? 16.0 : 8.0;
   constexpr int64_t kSteps = int64_t{1} << 22;  // about 8 ms per thread at 96 G multiply-adds/s
   double best = 0.0;
   for (int rep = -1; rep < 5; ++rep) {  // pass -1 starts the team and the clocks, untimed
@@ -614,7 +629,9 @@ CpuPeak cpu_multiply_add_peak() {
       const size_t t = 0;
 #endif
 #if defined(__x86_64__)
-      sums[t] = peak.avx2 ? peak_chains_avx2(kSteps) : peak_chains_portable(kSteps);
+      sums[t] = peak.loops == CpuLoops::kAvx512 ? peak_chains_avx512(kSteps)
+                : peak.loops == CpuLoops::kAvx2   ? peak_chains_avx2(kSteps)
+                                                  : peak_chains_portable(kSteps);
 #else
       sums[t] = peak_chains_portable(kSteps);
 #endif
@@ -623,7 +640,7 @@ CpuPeak cpu_multiply_add_peak() {
     volatile float observed = std::accumulate(sums.begin(), sums.end(), 0.0f);  // the loops must run
     (void)observed;
     // Other work on the cores can only slow the loop, so the fastest pass is the peak.
-    const double multiply_adds = static_cast<double>(peak.threads) * static_cast<double>(kSteps) * kPeakChains * 8.0;
+    const double multiply_adds = static_cast<double>(peak.threads) * static_cast<double>(kSteps) * kPeakChains * lanes;
     if (rep >= 0) best = std::max(best, multiply_adds / seconds);
   }
   peak.multiply_adds_per_second = best;

@@ -60,12 +60,13 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
 std::string cpu_backend_config();
 
 // The host's float multiply-add throughput on the backend's threads (omp_get_max_threads()):
-// independent 8-wide chains of multiply-adds, with AVX2 FMA where the CPU has it, the fastest
-// of 5 timed passes after an untimed one. The benchmark's compute floor.
+// independent chains of multiply-adds on the widest loops the host runs (cpu_host_loops: 16-wide
+// AVX-512 FMA, 8-wide AVX2 FMA, or the baseline's multiply and add), the fastest of 5 timed passes
+// after an untimed one. The benchmark's compute floor.
 struct CpuPeak {
   double multiply_adds_per_second = 0;
   int threads = 1;
-  bool avx2 = false;  // false: the baseline's multiply and add
+  CpuLoops loops = CpuLoops::kPortable;  // what the chains ran on
 };
 CpuPeak cpu_multiply_add_peak();
 
