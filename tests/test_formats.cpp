@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 
 #include "cpu/moe_cpu.h"
 #include "cuda/nvfp4_pair_order.h"
@@ -206,6 +207,19 @@ TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
 // order: 1e-5 of the sum of |w x|.
 class CpuRowDots : public ::testing::TestWithParam<CpuLoops> {};
 
+// A decoded row . token j of x, in double, and the sum of the terms' magnitudes (the tolerance's
+// scale).
+std::pair<double, double> reference_dot(const std::vector<float>& row, const std::vector<float>& x, int64_t stride,
+                                        int64_t j) {
+  double sum = 0.0, magnitude = 0.0;
+  for (size_t c = 0; c < row.size(); ++c) {
+    const double term = static_cast<double>(row[c]) * x[static_cast<size_t>(j * stride) + c];
+    sum += term;
+    magnitude += std::fabs(term);
+  }
+  return {sum, magnitude};
+}
+
 TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
   const CpuLoops loops = GetParam();
   if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need (AVX2 + FMA + F16C, or AVX-512 F, BW, VL and VBMI)";
@@ -230,14 +244,45 @@ TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
           std::vector<float> got(static_cast<size_t>(tokens), std::nanf(""));
           cpu_row_dots(m, r, x.data(), stride, tokens, got.data(), scratch, loops);
           for (int64_t j = 0; j < tokens; ++j) {
-            double expected = 0.0, magnitude = 0.0;
-            for (int64_t c = 0; c < cols; ++c) {
-              const double term = static_cast<double>(row[static_cast<size_t>(c)]) * x[static_cast<size_t>(j * stride + c)];
-              expected += term;
-              magnitude += std::fabs(term);
-            }
+            const auto [expected, magnitude] = reference_dot(row, x, stride, j);
             EXPECT_NEAR(got[static_cast<size_t>(j)], expected, 1e-5 * magnitude + 1e-30)
                 << format_name(spec.format) << " cols " << cols << " tokens " << tokens << " row " << r << " token " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+// cpu_row_pair_dots (two rows at once) against dequantize_row and a double-precision dot, as
+// above, with the pair kernel forced (pair_from_bytes 0: every tile) and by the rule (the default:
+// none of these small rows), rows 0-1 and 1-2, outputs poisoned first. Same tolerance.
+TEST_P(CpuRowDots, RowPairsMatchDequantizedRows) {
+  const CpuLoops loops = GetParam();
+  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need";
+  for (const QuantSpec& spec : std::vector<QuantSpec>{{WeightFormat::kNVFP4}, {WeightFormat::kBF16}}) {
+    for (int64_t cols : {16, 48, 272, 2048}) {
+      const int64_t rows = 3, stride = cols + 3;
+      const QuantMatrix m = take(QuantMatrix::quantize(make_tokens(rows, cols, static_cast<uint64_t>(cols) + 3), rows,
+                                                       cols, spec));
+      const std::vector<float> x = make_tokens(19, stride, 7);
+      std::vector<float> row(static_cast<size_t>(cols)), scratch;
+      for (int64_t pair_from_bytes : {int64_t{0}, kCpuPairFromBytes}) {
+        for (int64_t tokens : {1, 2, 5, 8, 9, 19}) {
+          for (int64_t r : {0, 1}) {
+            std::vector<float> got0(static_cast<size_t>(tokens), std::nanf("")), got1 = got0;
+            cpu_row_pair_dots(m, r, x.data(), stride, tokens, got0.data(), got1.data(), scratch, loops,
+                              pair_from_bytes);
+            for (int64_t i = 0; i < 2; ++i) {
+              m.dequantize_row(r + i, row.data());
+              const std::vector<float>& got = i == 0 ? got0 : got1;
+              for (int64_t j = 0; j < tokens; ++j) {
+                const auto [expected, magnitude] = reference_dot(row, x, stride, j);
+                EXPECT_NEAR(got[static_cast<size_t>(j)], expected, 1e-5 * magnitude + 1e-30)
+                    << format_name(spec.format) << " cols " << cols << " pair_from_bytes " << pair_from_bytes
+                    << " tokens " << tokens << " row " << r + i << " token " << j;
+              }
+            }
           }
         }
       }

@@ -2,10 +2,11 @@
 // tokens per decode: the rows of 48 matrices of 1536 x 2048 (qwen3-30b's gate_up shape; more
 // bytes than any L3 here, so the weights come from DRAM as in a layer call) dotted with M
 // distinct tokens. --cols K keeps the weights' count and gives the matrices K columns
-// (DeepSeek-V3's 7168, say). Prints the best of 5 passes as weight GB/s and multiply-adds per
+// (DeepSeek-V3's 7168, say). --pairs dots the rows two at a time (cpu_row_pair_dots, as the
+// backend does). Prints the best of 5 passes as weight GB/s and multiply-adds per
 // second.
 //
-//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K]
+//   build/tools/probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K] [--pairs]
 // --loops picks the inner loops (moeinfer::CpuLoops; default: the host's fastest).
 // Run it with OMP_NUM_THREADS=1 beside nothing else; `moeinfer bench --backend cpu` is the
 // measure of a whole call.
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
   std::vector<int> tokens = {1, 2, 4, 8};
   moeinfer::CpuLoops loops = moeinfer::cpu_host_loops();
   int64_t cols = 2048;
+  bool pairs = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc) {
@@ -60,10 +62,12 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "--cols: {} is not a multiple of 128 from 128 to 65536\n", argv[i]);
         return 2;
       }
+    } else if (a == "--pairs") {
+      pairs = true;
     } else if (a == "bf16" || a == "fp8" || a == "nvfp4") {
       formats.push_back(a);
     } else {
-      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K]\n");
+      fmt::print(stderr, "usage: probe_cpu_row_dots [bf16|fp8|nvfp4 ...] [--tokens 1,2,4,8] [--loops avx2|avx512] [--cols K] [--pairs]\n");
       return 2;
     }
   }
@@ -90,7 +94,7 @@ int main(int argc, char** argv) {
     }
     for (int m : tokens) {
       // x from a 64-byte boundary, as the CPU backend holds its jobs' inputs (CacheLineAllocator).
-      std::vector<float> storage(static_cast<size_t>(m * kCols + 16)), out(static_cast<size_t>(m)), row;
+      std::vector<float> storage(static_cast<size_t>(m * kCols + 16)), out(static_cast<size_t>(2 * m)), row;
       const size_t skip = (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
       const std::span<float> x(storage.data() + skip, static_cast<size_t>(m * kCols));
       for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 97) / 97.0f - 0.5f;
@@ -98,8 +102,12 @@ int main(int argc, char** argv) {
       for (int pass = 0; pass < 5; ++pass) {
         const auto start = std::chrono::steady_clock::now();
         for (const QuantMatrix& w : matrices) {
-          for (int64_t r = 0; r < kRows; ++r) {
-            moeinfer::cpu_row_dots(w, r, x.data(), kCols, m, out.data(), row, loops);
+          for (int64_t r = 0; r < kRows; r += pairs ? 2 : 1) {
+            if (pairs) {
+              moeinfer::cpu_row_pair_dots(w, r, x.data(), kCols, m, out.data(), out.data() + m, row, loops);
+            } else {
+              moeinfer::cpu_row_dots(w, r, x.data(), kCols, m, out.data(), row, loops);
+            }
             sink += out[0];
           }
         }

@@ -361,6 +361,36 @@ MOEINFER_AVX512 void row_dots_nvfp4_avx512(const QuantMatrix& m, int64_t r, cons
   }
 }
 
+// Rows r and r + 1 at once, as row_dots_nvfp4_avx512 does one: each token's 16 values loaded once
+// for both rows' multiply-adds, so that where the tile's values pass L1 they come from L2 once per
+// two rows (cpu_row_pair_dots).
+template <int M>
+MOEINFER_AVX512 void row_pair_dots_nvfp4_avx512(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
+                                                float* out0, float* out1) {
+  const int64_t groups = m.cols / kNvfp4Group;
+  const float* halves = e4m3_halves();
+  const uint8_t* block0 = m.block_scales.data() + r * groups;
+  const uint8_t* block1 = block0 + groups;
+  const uint8_t* codes0 = m.data.data() + r * m.cols / 2;
+  const uint8_t* codes1 = codes0 + m.cols / 2;
+  __m512 acc0[M], acc1[M];
+  for (int j = 0; j < M; ++j) acc0[j] = _mm512_setzero_ps(), acc1[j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 w0 = _mm512_mul_ps(nvfp4_twice_avx512(codes0 + g * kNvfp4Group / 2), _mm512_set1_ps(halves[block0[g]]));
+    const __m512 w1 = _mm512_mul_ps(nvfp4_twice_avx512(codes1 + g * kNvfp4Group / 2), _mm512_set1_ps(halves[block1[g]]));
+    for (int j = 0; j < M; ++j) {
+      const __m512 v = _mm512_loadu_ps(x + j * stride + g * kNvfp4Group);
+      acc0[j] = _mm512_fmadd_ps(w0, v, acc0[j]);
+      acc1[j] = _mm512_fmadd_ps(w1, v, acc1[j]);
+    }
+  }
+  const __m512 global = _mm512_set1_ps(m.global_scale);
+  for (int j = 0; j < M; ++j) {
+    out0[j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc0[j], global));
+    out1[j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc1[j], global));
+  }
+}
+
 template <int M>
 MOEINFER_AVX2 void row_dots_avx2(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
   static_assert(M >= 1 && M <= kCpuTokenTile);
@@ -481,9 +511,21 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
   cpu_row_dots(m, r, x, stride, tokens, out, row, cpu_host_loops());
 }
 
-#if defined(__x86_64__)
 namespace {
 
+// Calls f(done, size) for each tile of at most kCpuTokenTile tokens that `tokens` splits into, as
+// even as possible (9 tokens: 5 + 4); each tile decodes a row once into registers.
+template <typename F>
+void for_each_tile(int64_t tokens, F&& f) {
+  const int64_t tiles = (tokens + kCpuTokenTile - 1) / kCpuTokenTile;
+  for (int64_t t = 0, done = 0; t < tiles; ++t) {
+    const int64_t size = (tokens - done + tiles - t - 1) / (tiles - t);
+    f(done, size);
+    done += size;
+  }
+}
+
+#if defined(__x86_64__)
 // One tile of M tokens on the loops asked for (AVX2 or AVX-512).
 template <int M>
 void row_dots_tile(CpuLoops loops, const QuantMatrix& m, int64_t r, const float* x, int64_t stride, float* out) {
@@ -493,20 +535,16 @@ void row_dots_tile(CpuLoops loops, const QuantMatrix& m, int64_t r, const float*
     row_dots_avx2<M>(m, r, x, stride, out);
   }
 }
+#endif
 
 }  // namespace
-#endif
 
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row, CpuLoops loops) {
   loops = std::min(loops, cpu_host_loops());
 #if defined(__x86_64__)
   if (loops != CpuLoops::kPortable) {
-    // Tiles of at most kCpuTokenTile tokens, as even as possible (9 tokens: 5 + 4); each tile
-    // decodes the row once into registers.
-    const int64_t tiles = (tokens + kCpuTokenTile - 1) / kCpuTokenTile;
-    for (int64_t t = 0, done = 0; t < tiles; ++t) {
-      const int64_t size = (tokens - done + tiles - t - 1) / (tiles - t);
+    for_each_tile(tokens, [&](int64_t done, int64_t size) {
       const float* xt = x + done * stride;
       float* o = out + done;
       switch (size) {
@@ -519,14 +557,52 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
         case 7: row_dots_tile<7>(loops, m, r, xt, stride, o); break;
         default: row_dots_tile<8>(loops, m, r, xt, stride, o); break;
       }
-      done += size;
-    }
+    });
     return;
   }
 #endif
   row.resize(static_cast<size_t>(m.cols));
   cpu_decode_row(m, r, row.data());
   for (int64_t j = 0; j < tokens; ++j) out[j] = dot(row.data(), x + j * stride, m.cols);
+}
+
+void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out0,
+                       float* out1, std::vector<float>& row, CpuLoops loops, int64_t pair_from_bytes) {
+  loops = std::min(loops, cpu_host_loops());
+#if defined(__x86_64__)
+  // The largest tile (for_each_tile's are as even as possible) decides whether any pair runs; a
+  // row takes under 0.1 us at one token, so the common case goes straight to cpu_row_dots.
+  const int64_t largest = (tokens + (tokens + kCpuTokenTile - 1) / kCpuTokenTile - 1) /
+                          ((tokens + kCpuTokenTile - 1) / kCpuTokenTile);
+  if (loops == CpuLoops::kAvx512 && m.spec.format == WeightFormat::kNVFP4 &&
+      largest * m.cols * static_cast<int64_t>(sizeof(float)) > pair_from_bytes) {
+    // Tiles as cpu_row_dots makes them; a tile whose values pass pair_from_bytes runs both rows
+    // in one pass over them, a smaller one each row on its own (two passes of the weights'
+    // streams measured faster where the values stay in L1).
+    for_each_tile(tokens, [&](int64_t done, int64_t size) {
+      const float* xt = x + done * stride;
+      float *o0 = out0 + done, *o1 = out1 + done;
+      if (size * m.cols * static_cast<int64_t>(sizeof(float)) <= pair_from_bytes) {
+        cpu_row_dots(m, r, xt, stride, size, o0, row, loops);
+        cpu_row_dots(m, r + 1, xt, stride, size, o1, row, loops);
+        return;
+      }
+      switch (size) {
+        case 1: row_pair_dots_nvfp4_avx512<1>(m, r, xt, stride, o0, o1); break;
+        case 2: row_pair_dots_nvfp4_avx512<2>(m, r, xt, stride, o0, o1); break;
+        case 3: row_pair_dots_nvfp4_avx512<3>(m, r, xt, stride, o0, o1); break;
+        case 4: row_pair_dots_nvfp4_avx512<4>(m, r, xt, stride, o0, o1); break;
+        case 5: row_pair_dots_nvfp4_avx512<5>(m, r, xt, stride, o0, o1); break;
+        case 6: row_pair_dots_nvfp4_avx512<6>(m, r, xt, stride, o0, o1); break;
+        case 7: row_pair_dots_nvfp4_avx512<7>(m, r, xt, stride, o0, o1); break;
+        default: row_pair_dots_nvfp4_avx512<8>(m, r, xt, stride, o0, o1); break;
+      }
+    });
+    return;
+  }
+#endif
+  cpu_row_dots(m, r, x, stride, tokens, out0, row, loops);
+  cpu_row_dots(m, r + 1, x, stride, tokens, out1, row, loops);
 }
 
 namespace {
@@ -710,29 +786,51 @@ void run_jobs(const LayerDesc& d, std::span<ExpertJob> jobs) {
 #else
     const int64_t threads = 1, thread = 0;
 #endif
-    std::vector<float> row, g(static_cast<size_t>(max_m)), u(static_cast<size_t>(max_m)), out(static_cast<size_t>(max_m));
+    // Rows two at a time (cpu_row_pair_dots: one pass over the tokens' values where they pass L1),
+    // the last of an odd share on its own.
+    const auto pair = static_cast<size_t>(2 * max_m);
+    std::vector<float> row, g(pair), u(pair), out(pair);
     for (ExpertJob& job : jobs) {
       const ExpertWeights& w = *job.w;
-      const int64_t inter = w.gate.rows;
-      for (int64_t i = inter * thread / threads; i < inter * (thread + 1) / threads; ++i) {
-        cpu_row_dots(w.gate, i, job.in.data(), h, job.m, g.data(), row);
-        cpu_row_dots(w.up, i, job.in.data(), h, job.m, u.data(), row);
-        const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
-        const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
-        for (int64_t t = 0; t < job.m; ++t) {
-          const auto tt = static_cast<size_t>(t);
-          job.act[static_cast<size_t>(t * inter + i)] = activate(d, g[tt] + gb, u[tt] + ub);
+      const int64_t inter = w.gate.rows, m = job.m;
+      const int64_t end = inter * (thread + 1) / threads;
+      for (int64_t i0 = inter * thread / threads; i0 < end; i0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, end - i0);
+        if (rows == 2) {
+          cpu_row_pair_dots(w.gate, i0, job.in.data(), h, m, g.data(), g.data() + m, row);
+          cpu_row_pair_dots(w.up, i0, job.in.data(), h, m, u.data(), u.data() + m, row);
+        } else {
+          cpu_row_dots(w.gate, i0, job.in.data(), h, m, g.data(), row);
+          cpu_row_dots(w.up, i0, job.in.data(), h, m, u.data(), row);
+        }
+        for (int64_t i = i0; i < i0 + rows; ++i) {
+          const float gb = w.gate_bias.empty() ? 0.0f : w.gate_bias[static_cast<size_t>(i)];
+          const float ub = w.up_bias.empty() ? 0.0f : w.up_bias[static_cast<size_t>(i)];
+          for (int64_t t = 0; t < m; ++t) {
+            const auto at = static_cast<size_t>((i - i0) * m + t);
+            job.act[static_cast<size_t>(t * inter + i)] = activate(d, g[at] + gb, u[at] + ub);
+          }
         }
       }
     }
 #pragma omp barrier
     for (ExpertJob& job : jobs) {
       const ExpertWeights& w = *job.w;
-      const int64_t inter = w.gate.rows;
-      for (int64_t r = h * thread / threads; r < h * (thread + 1) / threads; ++r) {
-        cpu_row_dots(w.down, r, job.act.data(), inter, job.m, out.data(), row);
-        const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
-        for (int64_t t = 0; t < job.m; ++t) job.y[static_cast<size_t>(t * h + r)] = out[static_cast<size_t>(t)] + db;
+      const int64_t inter = w.gate.rows, m = job.m;
+      const int64_t end = h * (thread + 1) / threads;
+      for (int64_t r0 = h * thread / threads; r0 < end; r0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, end - r0);
+        if (rows == 2) {
+          cpu_row_pair_dots(w.down, r0, job.act.data(), inter, m, out.data(), out.data() + m, row);
+        } else {
+          cpu_row_dots(w.down, r0, job.act.data(), inter, m, out.data(), row);
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          const float db = w.down_bias.empty() ? 0.0f : w.down_bias[static_cast<size_t>(r)];
+          for (int64_t t = 0; t < m; ++t) {
+            job.y[static_cast<size_t>(t * h + r)] = out[static_cast<size_t>((r - r0) * m + t)] + db;
+          }
+        }
       }
     }
   }
