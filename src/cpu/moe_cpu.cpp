@@ -525,6 +525,22 @@ void for_each_tile(int64_t tokens, F&& f) {
   }
 }
 
+// Calls f.template operator()<M>() with M = size, a tile's tokens (1 to kCpuTokenTile): the
+// row loops are built for each.
+template <typename F>
+void with_tile_size(int64_t size, F&& f) {
+  switch (size) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
 #if defined(__x86_64__)
 // One tile of M tokens on the loops asked for (AVX2 or AVX-512).
 template <int M>
@@ -545,18 +561,7 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
 #if defined(__x86_64__)
   if (loops != CpuLoops::kPortable) {
     for_each_tile(tokens, [&](int64_t done, int64_t size) {
-      const float* xt = x + done * stride;
-      float* o = out + done;
-      switch (size) {
-        case 1: row_dots_tile<1>(loops, m, r, xt, stride, o); break;
-        case 2: row_dots_tile<2>(loops, m, r, xt, stride, o); break;
-        case 3: row_dots_tile<3>(loops, m, r, xt, stride, o); break;
-        case 4: row_dots_tile<4>(loops, m, r, xt, stride, o); break;
-        case 5: row_dots_tile<5>(loops, m, r, xt, stride, o); break;
-        case 6: row_dots_tile<6>(loops, m, r, xt, stride, o); break;
-        case 7: row_dots_tile<7>(loops, m, r, xt, stride, o); break;
-        default: row_dots_tile<8>(loops, m, r, xt, stride, o); break;
-      }
+      with_tile_size(size, [&]<int M>() { row_dots_tile<M>(loops, m, r, x + done * stride, stride, out + done); });
     });
     return;
   }
@@ -587,16 +592,7 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
         cpu_row_dots(m, r + 1, xt, stride, size, o1, row, loops);
         return;
       }
-      switch (size) {
-        case 1: row_pair_dots_nvfp4_avx512<1>(m, r, xt, stride, o0, o1); break;
-        case 2: row_pair_dots_nvfp4_avx512<2>(m, r, xt, stride, o0, o1); break;
-        case 3: row_pair_dots_nvfp4_avx512<3>(m, r, xt, stride, o0, o1); break;
-        case 4: row_pair_dots_nvfp4_avx512<4>(m, r, xt, stride, o0, o1); break;
-        case 5: row_pair_dots_nvfp4_avx512<5>(m, r, xt, stride, o0, o1); break;
-        case 6: row_pair_dots_nvfp4_avx512<6>(m, r, xt, stride, o0, o1); break;
-        case 7: row_pair_dots_nvfp4_avx512<7>(m, r, xt, stride, o0, o1); break;
-        default: row_pair_dots_nvfp4_avx512<8>(m, r, xt, stride, o0, o1); break;
-      }
+      with_tile_size(size, [&]<int M>() { row_pair_dots_nvfp4_avx512<M>(m, r, xt, stride, o0, o1); });
     });
     return;
   }
