@@ -255,21 +255,29 @@ TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
 }
 
 // cpu_row_pair_dots (two rows at once) against dequantize_row and a double-precision dot, as
-// above, with the pair kernel forced (pair_from_bytes 0: every tile) and by the rule (the default:
-// none of these small rows), rows 0-1 and 1-2, outputs poisoned first. Same tolerance.
+// above, with the pair kernels forced (pair_from_bytes 0: every tile) and by the rule (the default:
+// none of these small rows), rows 0-1 and 1-2, and for FP8 in 128-row blocks rows 127-128 (two
+// scale blocks); ragged widths (the 16- and one-column steps); outputs poisoned first. Same
+// tolerance.
 TEST_P(CpuRowDots, RowPairsMatchDequantizedRows) {
   const CpuLoops loops = GetParam();
   if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need";
-  for (const QuantSpec& spec : std::vector<QuantSpec>{{WeightFormat::kNVFP4}, {WeightFormat::kBF16}}) {
-    for (int64_t cols : {16, 48, 272, 2048}) {
-      const int64_t rows = 3, stride = cols + 3;
+  const std::vector<QuantSpec> specs = {{WeightFormat::kNVFP4},
+                                        {WeightFormat::kFP8, Fp8Scaling::kBlock128},
+                                        {WeightFormat::kFP8, Fp8Scaling::kPerChannel},
+                                        {WeightFormat::kBF16}};
+  for (const QuantSpec& spec : specs) {
+    for (int64_t cols : {16, 48, 272, 301, 2048}) {
+      if (spec.format == WeightFormat::kNVFP4 && cols % 16 != 0) continue;
+      const int64_t rows = spec.format == WeightFormat::kFP8 ? 130 : 3, stride = cols + 3;
       const QuantMatrix m = take(QuantMatrix::quantize(make_tokens(rows, cols, static_cast<uint64_t>(cols) + 3), rows,
                                                        cols, spec));
       const std::vector<float> x = make_tokens(19, stride, 7);
       std::vector<float> row(static_cast<size_t>(cols)), scratch;
       for (int64_t pair_from_bytes : {int64_t{0}, kCpuPairFromBytes}) {
         for (int64_t tokens : {1, 2, 5, 8, 9, 19}) {
-          for (int64_t r : {0, 1}) {
+          for (int64_t r : {0, 1, 127}) {
+            if (r + 1 >= rows) continue;
             std::vector<float> got0(static_cast<size_t>(tokens), std::nanf("")), got1 = got0;
             cpu_row_pair_dots(m, r, x.data(), stride, tokens, got0.data(), got1.data(), scratch, loops,
                               pair_from_bytes);

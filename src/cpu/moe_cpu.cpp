@@ -470,6 +470,48 @@ MOEINFER_AVX512 void row_dots_fp8_avx512(const QuantMatrix& m, int64_t r, const 
   for (int j = 0; j < M; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) + tail[j];
 }
 
+// Rows r and r + 1 at once, as row_pair_dots_nvfp4_avx512 does for NVFP4: each token's 16 values
+// loaded once for both rows; each row's span scale its own (rows r and r + 1 can sit in two
+// 128-row scale blocks, or have their own per-channel scales), the spans' columns the same.
+template <int M>
+MOEINFER_AVX512 void row_pair_dots_fp8_avx512(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
+                                              float* out0, float* out1) {
+  const uint8_t* codes0 = m.data.data() + r * m.cols;
+  const uint8_t* codes1 = codes0 + m.cols;
+  __m512 acc0[M], acc1[M];
+  float tail0[M], tail1[M];
+  for (int j = 0; j < M; ++j) {
+    acc0[j] = _mm512_setzero_ps(), acc1[j] = _mm512_setzero_ps();
+    tail0[j] = 0.0f, tail1[j] = 0.0f;
+  }
+  for (int64_t c0 = 0, c1 = 0; c0 < m.cols; c0 = c1) {
+    const float scale0 = m.fp8_span_scale(r, c0, &c1);
+    const float scale1 = m.fp8_span_scale(r + 1, c0, &c1);
+    __m512 span0[M], span1[M];
+    for (int j = 0; j < M; ++j) span0[j] = _mm512_setzero_ps(), span1[j] = _mm512_setzero_ps();
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+      const __m512 v0 = fp8_16_avx512(codes0 + c), v1 = fp8_16_avx512(codes1 + c);
+      for (int j = 0; j < M; ++j) {
+        const __m512 xv = _mm512_loadu_ps(x + j * stride + c);
+        span0[j] = _mm512_fmadd_ps(v0, xv, span0[j]);
+        span1[j] = _mm512_fmadd_ps(v1, xv, span1[j]);
+      }
+    }
+    const __m512 up = _mm512_set1_ps(0x1p8f), s0 = _mm512_set1_ps(scale0), s1 = _mm512_set1_ps(scale1);
+    for (int j = 0; j < M; ++j) {
+      acc0[j] = _mm512_fmadd_ps(_mm512_mul_ps(span0[j], up), s0, acc0[j]);
+      acc1[j] = _mm512_fmadd_ps(_mm512_mul_ps(span1[j], up), s1, acc1[j]);
+    }
+    fp8_tail_dots<M>(codes0, scale0, x, stride, c, c1, tail0);
+    fp8_tail_dots<M>(codes1, scale1, x, stride, c, c1, tail1);
+  }
+  for (int j = 0; j < M; ++j) {
+    out0[j] = _mm512_reduce_add_ps(acc0[j]) + tail0[j];
+    out1[j] = _mm512_reduce_add_ps(acc1[j]) + tail1[j];
+  }
+}
+
 // AVX-512 for NVFP4 and FP8, whose AVX2 loops are bound by their decode; AVX2 for BF16, whose one
 // token already reads as fast as one core reads (tools/probe_cpu_row_dots).
 template <int M>
@@ -579,8 +621,8 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
   // goes straight to cpu_row_dots (a row takes under 0.1 us at one token, so even two integer
   // divisions per pair showed: 0.95x).
   const int64_t most = std::min<int64_t>(tokens, kCpuTokenTile);
-  if (loops == CpuLoops::kAvx512 && m.spec.format == WeightFormat::kNVFP4 &&
-      most * m.cols * static_cast<int64_t>(sizeof(float)) > pair_from_bytes) {
+  const bool pairs_run = m.spec.format == WeightFormat::kNVFP4 || m.spec.format == WeightFormat::kFP8;
+  if (loops == CpuLoops::kAvx512 && pairs_run && most * m.cols * static_cast<int64_t>(sizeof(float)) > pair_from_bytes) {
     // Tiles as cpu_row_dots makes them; a tile whose values pass pair_from_bytes runs both rows
     // in one pass over them, a smaller one each row on its own (two passes of the weights'
     // streams measured faster where the values stay in L1).
@@ -592,7 +634,13 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
         cpu_row_dots(m, r + 1, xt, stride, size, o1, row, loops);
         return;
       }
-      with_tile_size(size, [&]<int M>() { row_pair_dots_nvfp4_avx512<M>(m, r, xt, stride, o0, o1); });
+      with_tile_size(size, [&]<int M>() {
+        if (m.spec.format == WeightFormat::kNVFP4) {
+          row_pair_dots_nvfp4_avx512<M>(m, r, xt, stride, o0, o1);
+        } else {
+          row_pair_dots_fp8_avx512<M>(m, r, xt, stride, o0, o1);
+        }
+      });
     });
     return;
   }

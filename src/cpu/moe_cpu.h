@@ -56,14 +56,14 @@ void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t strid
                   std::vector<float>& row, CpuLoops loops);
 
 // Past this many bytes of a tile's token values, cpu_row_pair_dots runs two rows in one pass over
-// them: NVFP4 on AVX-512, K = 7168 (DeepSeek-V3's hidden): 1.6-1.7x at 4-8 tokens, 1.0x at 2; at
-// K = 2048, 1.25x at 8 tokens, but 0.68-0.85x at 1-4 (a scratch loop), whose values stay in L1
-// (docs/PERF.md, CPU backend v6).
+// them: on AVX-512, K = 7168 (DeepSeek-V3's hidden), NVFP4 1.6-1.7x at 4-8 tokens, FP8 1.1-1.5x,
+// both about 1.0x at 2; at K = 2048 NVFP4 1.25x at 8 tokens, but 0.68-0.85x at 1-4 (a scratch
+// loop), whose values stay in L1 (docs/PERF.md, CPU backend v6).
 inline constexpr int64_t kCpuPairFromBytes = 48 * 1024;
 
 // cpu_row_dots of rows r and r + 1 (out0 and out1 each hold `tokens` dots), but where the loops
-// are AVX-512, the format NVFP4 and a tile's values pass pair_from_bytes, both rows in one pass
-// over them (their values then come from L2 once per two rows; the sums in another order).
+// are AVX-512, the format NVFP4 or FP8 and a tile's values pass pair_from_bytes, both rows in one
+// pass over them (their values then come from L2 once per two rows; the sums in another order).
 void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out0,
                        float* out1, std::vector<float>& row, CpuLoops loops = cpu_host_loops(),
                        int64_t pair_from_bytes = kCpuPairFromBytes);
