@@ -205,7 +205,24 @@ TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
 // outputs poisoned first, on each of the inner loops (CpuLoops) that this CPU runs; the others
 // skip, naming what the CPU lacks. The tolerance is fp32 summation over `cols` terms in another
 // order: 1e-5 of the sum of |w x|.
-class CpuRowDots : public ::testing::TestWithParam<CpuLoops> {};
+// Skips, naming what the CPU lacks, where it does not run the loops the test is for.
+class CpuRowDots : public ::testing::TestWithParam<CpuLoops> {
+ protected:
+  void SetUp() override {
+    if (GetParam() > cpu_host_loops()) {
+      GTEST_SKIP() << "this CPU lacks what these loops need (AVX2 + FMA + F16C, or AVX-512 F, BW, VL and VBMI)";
+    }
+  }
+};
+
+// Every weight format and FP8 scaling.
+std::vector<QuantSpec> every_spec() {
+  return {{WeightFormat::kNVFP4},
+          {WeightFormat::kFP8, Fp8Scaling::kBlock128},
+          {WeightFormat::kFP8, Fp8Scaling::kPerChannel},
+          {WeightFormat::kFP8, Fp8Scaling::kPerTensor},
+          {WeightFormat::kBF16}};
+}
 
 // A decoded row . token j of x, in double, and the sum of the terms' magnitudes (the tolerance's
 // scale).
@@ -222,13 +239,7 @@ std::pair<double, double> reference_dot(const std::vector<float>& row, const std
 
 TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
   const CpuLoops loops = GetParam();
-  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need (AVX2 + FMA + F16C, or AVX-512 F, BW, VL and VBMI)";
-  const std::vector<QuantSpec> specs = {{WeightFormat::kNVFP4},
-                                        {WeightFormat::kFP8, Fp8Scaling::kBlock128},
-                                        {WeightFormat::kFP8, Fp8Scaling::kPerChannel},
-                                        {WeightFormat::kFP8, Fp8Scaling::kPerTensor},
-                                        {WeightFormat::kBF16}};
-  for (const QuantSpec& spec : specs) {
+  for (const QuantSpec& spec : every_spec()) {
     for (int64_t cols : {16, 48, 272, 2048, 5, 130, 301}) {
       if (spec.format == WeightFormat::kNVFP4 && cols % 16 != 0) continue;
       const int64_t rows = 3, stride = cols + 3;
@@ -261,12 +272,7 @@ TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
 // tolerance.
 TEST_P(CpuRowDots, RowPairsMatchDequantizedRows) {
   const CpuLoops loops = GetParam();
-  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need";
-  const std::vector<QuantSpec> specs = {{WeightFormat::kNVFP4},
-                                        {WeightFormat::kFP8, Fp8Scaling::kBlock128},
-                                        {WeightFormat::kFP8, Fp8Scaling::kPerChannel},
-                                        {WeightFormat::kBF16}};
-  for (const QuantSpec& spec : specs) {
+  for (const QuantSpec& spec : every_spec()) {
     for (int64_t cols : {16, 48, 272, 301, 2048}) {
       if (spec.format == WeightFormat::kNVFP4 && cols % 16 != 0) continue;
       const int64_t rows = spec.format == WeightFormat::kFP8 ? 130 : 3, stride = cols + 3;
@@ -305,7 +311,6 @@ TEST_P(CpuRowDots, RowPairsMatchDequantizedRows) {
 // NaN code, which must make every token's sum NaN. 1, 2, 3 and 8 tokens per call.
 TEST_P(CpuRowDots, EveryCodeGivesDequantizeRowsValue) {
   const CpuLoops loops = GetParam();
-  if (loops > cpu_host_loops()) GTEST_SKIP() << "this CPU lacks what these loops need";
   std::vector<QuantMatrix> matrices;
   QuantMatrix nvfp4;
   nvfp4.spec = {WeightFormat::kNVFP4};
