@@ -700,18 +700,15 @@ float peak_chains_portable(int64_t steps) {
   return sum;
 }
 
-// What the backend's loops run with on this host: AVX2 (with FMA and F16C) or the portable
-// loops, and the OpenMP threads.
+// What the backend's loops run with on this host: cpu_host_loops() and the OpenMP threads.
 struct HostLoops {
-  bool avx2 = false;
+  CpuLoops loops = CpuLoops::kPortable;
   int threads = 1;
 };
 
 HostLoops host_loops() {
   HostLoops host;
-#if defined(__x86_64__)
-  host.avx2 = has_avx2_fma_f16c();
-#endif
+  host.loops = cpu_host_loops();
 #if defined(_OPENMP)
   host.threads = omp_get_max_threads();
 #endif
@@ -723,17 +720,18 @@ HostLoops host_loops() {
 std::string cpu_backend_config() {
   const HostLoops host = host_loops();
   return fmt::format("{}; {} thread{}",
-                     host.avx2 ? fmt::format("AVX2 decode in registers{}, up to {} tokens per decode",
-                                             cpu_host_loops() == CpuLoops::kAvx512 ? " (NVFP4, FP8 in AVX-512)" : "",
-                                             kCpuTokenTile)
-                               : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
+                     host.loops != CpuLoops::kPortable
+                         ? fmt::format("AVX2 decode in registers{}, up to {} tokens per decode",
+                                       host.loops == CpuLoops::kAvx512 ? " (NVFP4, FP8 in AVX-512)" : "",
+                                       kCpuTokenTile)
+                         : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
                      host.threads, host.threads == 1 ? "" : "s");
 }
 
 CpuPeak cpu_multiply_add_peak() {
   CpuPeak peak;
   const HostLoops host = host_loops();
-  peak.loops = host.avx2 ? cpu_host_loops() : CpuLoops::kPortable;
+  peak.loops = host.loops;
   peak.threads = host.threads;
   const double lanes = peak.loops == CpuLoops::kAvx512 ? 16.0 : 8.0;
   constexpr int64_t kSteps = int64_t{1} << 22;  // about 8 ms per thread at 96 G multiply-adds/s
