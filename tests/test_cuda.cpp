@@ -2215,13 +2215,18 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   EXPECT_EQ(cuda::router_mma_row_groups(124, true), 1);  // gate rows 124-126
   EXPECT_EQ(cuda::router_mma_slices(7168), 28);
   EXPECT_EQ(cuda::router_mma_slices(2056), 9);
-  // By default from 16 tokens where 8 tokens per block make 3/8 of a block per SM (49.5 on 132).
+  // By default from 16 tokens where 8 tokens per block make a grid of 16 blocks or more.
   cuda::DevLayer qwen30;
   qwen30.hidden = 2048, qwen30.router_outputs = 128, qwen30.sm_count = 132, qwen30.router_mma_tokens = 512;
-  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 32));  // 1 x 4 x 8 blocks
-  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 48));  // 48
-  EXPECT_TRUE(cuda::router_uses_mma(qwen30, 49));   // 56
+  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 8));   // 1 x 1 x 8 blocks
+  EXPECT_FALSE(cuda::router_uses_mma(qwen30, 15));  // 16 blocks, but under 16 tokens
+  EXPECT_TRUE(cuda::router_uses_mma(qwen30, 16));   // 1 x 2 x 8
+  EXPECT_TRUE(cuda::router_uses_mma(qwen30, 32));
   EXPECT_TRUE(cuda::router_uses_mma(qwen30, 256));
+  cuda::DevLayer narrow = qwen30;  // one slice of K
+  narrow.hidden = 256;
+  EXPECT_FALSE(cuda::router_uses_mma(narrow, 120));  // 15 blocks
+  EXPECT_TRUE(cuda::router_uses_mma(narrow, 121));   // 16
   EXPECT_FALSE(cuda::router_uses_mma(qwen30, 513));  // past the workspace it was given
   cuda::DevLayer next = qwen30;
   next.router_outputs = 512, next.shared_gate = true;
@@ -2244,7 +2249,10 @@ TEST(ExpertMajorSizing, RouterAndBlendKernelsByGrid) {
   };
   using K = cuda::RouterKernel;
   EXPECT_EQ(launch(qwen30, 1), std::tuple(K::kFma, 1, 64, 1, 1));      // 64 row pairs, 1 token per block
-  EXPECT_EQ(launch(qwen30, 17), std::tuple(K::kFma, 8, 64, 3, 1));     // 8 tokens per block, a partial one
+  EXPECT_EQ(launch(qwen30, 17), std::tuple(K::kMma, 8, 1, 3, 8));      // a partial token group
+  cuda::DevLayer qwen30_fma = qwen30;
+  qwen30_fma.router_mma = 0;
+  EXPECT_EQ(launch(qwen30_fma, 17), std::tuple(K::kFma, 8, 64, 3, 1));  // 8 tokens per block, a partial one
   EXPECT_EQ(launch(qwen30, 64), std::tuple(K::kMma, 8, 1, 8, 8));      // 1 row group x 8 token groups x 8 slices
   EXPECT_EQ(launch(qwen30, 512), std::tuple(K::kMma, 8, 1, 64, 8));   // 8 tokens per block at every grid
   cuda::DevLayer next_launch = next;

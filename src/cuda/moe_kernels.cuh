@@ -788,18 +788,21 @@ inline int router_mma_row_groups(int outputs, bool shared_gate) {
 }
 inline int router_mma_slices(int hidden) { return (hidden + kRouterMmaCols - 1) / kRouterMmaCols; }
 // Whether a call of n tokens runs moe_router_mma (where it can run at all: L.router_mma_tokens):
-// forced, else from 16 tokens where its grid at 8 tokens per block holds 3/8 of a block per SM.
+// forced, else from 16 tokens where its grid at 8 tokens per block has 16 blocks or more.
 // Measured on the H200 against the CUDA-core kernels (docs/PERF.md v3.15): qwen3-30b (1 row group
 // x 8 slices) 0.988x at N = 16 (16 blocks), 0.999x at 32 (32), 1.019x at 64 (64), 1.06x at
 // 128-256; qwen3-next (5 x 8) 1.015x at N = 16 (80 blocks) to 1.11x at 256; forced at N = 1-8,
-// 0.94-0.99x.
+// 0.94-0.99x. Measured again on an H100 with v3.48's kernels (docs/PERF.md v3.50): qwen3-30b
+// 1.010-1.021x at N = 16 and 1.030-1.033x at 32, where v3.15's rule (3/8 of a block per SM, 50
+// blocks on 132 SMs) had kept the CUDA-core kernels; at N = 4-8 0.95-0.99x, so still from 16.
 inline constexpr int kRouterMmaFromTokens = 16;
+inline constexpr int kRouterMmaFromBlocks = 16;
 inline bool router_uses_mma(const DevLayer& L, int n) {
   if (n > L.router_mma_tokens || L.router_mma == 0) return false;
   if (L.router_mma == 1) return true;
   const int64_t blocks = int64_t{router_mma_row_groups(L.router_outputs, L.shared_gate)} * router_mma_token_groups(n) *
                          router_mma_slices(L.hidden);
-  return n >= kRouterMmaFromTokens && 8 * blocks >= int64_t{3} * L.sm_count;
+  return n >= kRouterMmaFromTokens && blocks >= kRouterMmaFromBlocks;
 }
 
 // The router's logits kernel for a call of n tokens, and its grid: on the tensor cores
