@@ -609,8 +609,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--router-mma", bench.router_mma,
                         "CUDA router logits on the tensor cores (BF16 routers, up to 512 tokens): from 16 tokens where "
-                        "their grid fills 3/8 of the SMs (auto), "
-                        "or forced on or off")
+                        "their grid has 16 blocks or more (auto), or forced on or off")
       ->capture_default_str();
   bench_cmd->add_option("--weight-tiles", bench.weight_tiles,
                         "CUDA expert weights stored in tiles of 16 rows x 64 bytes where they fit: where every call "
