@@ -335,8 +335,10 @@ MOEINFER_AVX512 inline void nvfp4_block_avx512(const uint8_t* codes, float half_
   }
 }
 
-// As row_dots_nvfp4_avx2, one block per step (nvfp4_block_avx512); up to 2 tokens, even and odd
-// blocks go to two accumulators, so that neither chain of multiply-adds sets the pace.
+// As row_dots_nvfp4_avx2, one block per step (nvfp4_block_avx512); up to 3 tokens, even and odd
+// blocks go to two accumulators, so that neither chain of multiply-adds sets the pace (at 3 tokens
+// 1.03-1.23x at K = 768-4096 in tools/probe_cpu_row_dots; 4 tokens and 4 chains at one token
+// measured 0.94-1.09x, docs/PERF.md CPU v7).
 template <int M>
 MOEINFER_AVX512 void row_dots_nvfp4_avx512(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
                                            float* out) {
@@ -344,7 +346,7 @@ MOEINFER_AVX512 void row_dots_nvfp4_avx512(const QuantMatrix& m, int64_t r, cons
   const float* halves = e4m3_halves();
   const uint8_t* block = m.block_scales.data() + r * groups;
   const uint8_t* codes = m.data.data() + r * m.cols / 2;
-  constexpr int kSplit = M <= 2 ? 2 : 1;
+  constexpr int kSplit = M <= 3 ? 2 : 1;
   __m512 acc[kSplit][M];
   for (int i = 0; i < kSplit; ++i) {
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
