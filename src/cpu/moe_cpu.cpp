@@ -337,8 +337,8 @@ MOEINFER_AVX512 inline void nvfp4_block_avx512(const uint8_t* codes, float half_
 
 // As row_dots_nvfp4_avx2, one block per step (nvfp4_block_avx512); up to 3 tokens, even and odd
 // blocks go to two accumulators, so that neither chain of multiply-adds sets the pace (at 3 tokens
-// 1.03-1.23x at K = 768-4096 in tools/probe_cpu_row_dots; 4 tokens and 4 chains at one token
-// measured 0.94-1.09x, docs/PERF.md CPU v7).
+// 1.03-1.23x at K = 768-4096 in tools/probe_cpu_row_dots; 4 tokens on two per token 0.94-1.09x, and
+// one token on four gained nothing per call, where its rows are bound by DRAM: docs/PERF.md CPU v7).
 template <int M>
 MOEINFER_AVX512 void row_dots_nvfp4_avx512(const QuantMatrix& m, int64_t r, const float* x, int64_t stride,
                                            float* out) {
