@@ -1248,24 +1248,6 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   if constexpr (kPublished) done_with_published_items(ws);
 }
 
-// Asks L2 for the 16 down rows from row0 of an item's expert, and their NVFP4 block scales, in one
-// bulk prefetch each (rows row0 .. row0 + 15 are one contiguous run in either layout, and so are
-// their scale codes): the rolled fused down's warp asks for its next item's rows while it runs the
-// current one, whose K loop holds only two chunks in flight. A hint: runs that are not whole
-// 16-byte units are not asked for.
-__device__ __forceinline__ void prefetch_down_rows(const DevMatrix& m, int row0) {
-  const auto bulk_prefetch = [](const void* p, int64_t bytes) {
-    if (bytes <= 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0) return;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-  };
-  const int rows = m.rows - row0 < kRows ? m.rows - row0 : kRows;
-  const int64_t row_bytes = weight_row_bytes(m);
-  bulk_prefetch(m.data + static_cast<int64_t>(row0) * row_bytes, rows * row_bytes);
-  if (m.format == static_cast<uint8_t>(WeightFormat::kNVFP4)) {
-    bulk_prefetch(m.block_scales + static_cast<int64_t>(row0) * (m.cols / 16), static_cast<int64_t>(rows) * (m.cols / 16));
-  }
-}
-
 // The fused down and blend past 16 items (ExpertMajorLaunch::down_blend_rounds > 1, up to
 // kExpertMajorDownBlendMaxItems items). Grid: 16-row tiles of H; block: 16 warps, warp w running
 // items w, w + 16, ... one after the other in a rolled loop, each over the whole K, on the one K
@@ -1308,16 +1290,8 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   }
   for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
   __syncwarp();
-  if (lane == 0 && warp < items) {  // this warp's first two items; each round then asks for the one after
-    prefetch_down_rows(reinterpret_cast<const DevExpert*>(entries[warp])->down, row0);
-    if (warp + kDownBlendWarps < items) {
-      prefetch_down_rows(reinterpret_cast<const DevExpert*>(entries[warp + kDownBlendWarps])->down, row0);
-    }
-  }
 #pragma unroll 1
   for (int slot = warp; slot < items; slot += kDownBlendWarps) {
-    const int ahead = slot + 2 * kDownBlendWarps;
-    if (lane == 0 && ahead < items) prefetch_down_rows(reinterpret_cast<const DevExpert*>(entries[ahead])->down, row0);
     const int4 it = item_of[slot];
     int routes[1] = {routes_of[slot][gid]};
     const float weight = blend_weight(L, n, ws, routes[0]);
