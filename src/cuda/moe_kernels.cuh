@@ -792,9 +792,10 @@ inline int router_mma_slices(int hidden) { return (hidden + kRouterMmaCols - 1) 
 // Measured on the H200 against the CUDA-core kernels (docs/PERF.md v3.15): qwen3-30b (1 row group
 // x 8 slices) 0.988x at N = 16 (16 blocks), 0.999x at 32 (32), 1.019x at 64 (64), 1.06x at
 // 128-256; qwen3-next (5 x 8) 1.015x at N = 16 (80 blocks) to 1.11x at 256; forced at N = 1-8,
-// 0.94-0.99x. Measured again on an H100 with v3.48's kernels (docs/PERF.md v3.50): qwen3-30b
-// 1.010-1.021x at N = 16 and 1.030-1.033x at 32, where v3.15's rule (3/8 of a block per SM, 50
-// blocks on 132 SMs) had kept the CUDA-core kernels; at N = 4-8 0.95-0.99x, so still from 16.
+// 0.94-0.99x. Measured again on an H100 with v3.48's kernels (docs/PERF.md v3.50): forced on at
+// qwen3-30b N = 16 1.010-1.021x and at 32 1.030-1.033x, where v3.15's rule (3/8 of a block per SM,
+// 50 blocks on 132 SMs) had kept the CUDA-core kernels, at N = 4-8 0.95-0.99x, so still from 16;
+// this rule against v3.15's in an A/B, qwen3-30b N = 16-48: 1.01-1.06x per call.
 inline constexpr int kRouterMmaFromTokens = 16;
 inline constexpr int kRouterMmaFromBlocks = 16;
 inline bool router_uses_mma(const DevLayer& L, int n) {
