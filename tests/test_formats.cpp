@@ -199,13 +199,8 @@ TEST(Fp8, CpuRowDecoderMatchesDequantizeRow) {
   }
 }
 
-// cpu_row_dots (weights decoded in registers once per tile of up to 8 tokens, else a decoded row
-// and one dot per token) against the format's own decoder and a double-precision dot, for every
-// format, ragged widths, 1 to 19 tokens and 37 (every tile size, whole and ragged tilings), and
-// outputs poisoned first, on each of the inner loops (CpuLoops) that this CPU runs; the others
-// skip, naming what the CPU lacks. The tolerance is fp32 summation over `cols` terms in another
-// order: 1e-5 of the sum of |w x|.
-// Skips, naming what the CPU lacks, where it does not run the loops the test is for.
+// The tests of cpu_row_dots and cpu_row_pair_dots, once per inner loop (CpuLoops): each skips,
+// naming what the CPU lacks, where it does not run the loops the test is for.
 class CpuRowDots : public ::testing::TestWithParam<CpuLoops> {
  protected:
   void SetUp() override {
@@ -237,6 +232,12 @@ std::pair<double, double> reference_dot(const std::vector<float>& row, const std
   return {sum, magnitude};
 }
 
+// cpu_row_dots (weights decoded in registers once per tile of up to 8 tokens, else a decoded row
+// and one dot per token) against the format's own decoder and a double-precision dot, for every
+// format, ragged widths, 1 to 19 tokens and 37 (every tile size, whole and ragged tilings), and
+// outputs poisoned first, on each of the inner loops (CpuLoops) that this CPU runs; the others
+// skip, naming what the CPU lacks. The tolerance is fp32 summation over `cols` terms in another
+// order: 1e-5 of the sum of |w x|.
 TEST_P(CpuRowDots, MatchDequantizedRowsForEveryFormatAndTokenCount) {
   const CpuLoops loops = GetParam();
   for (const QuantSpec& spec : every_spec()) {

@@ -78,9 +78,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const int64_t kCols = cols, kRows = 1536 * 2048 / cols;
+  const int64_t rows = 1536 * 2048 / cols;
   constexpr int kMatrices = 48;
-  std::vector<float> values(static_cast<size_t>(kRows * kCols));
+  std::vector<float> values(static_cast<size_t>(rows * cols));
   for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
   for (const std::string& f : formats) {
     QuantSpec spec{WeightFormat::kBF16};
@@ -89,31 +89,31 @@ int main(int argc, char** argv) {
     std::vector<QuantMatrix> matrices;
     size_t bytes = 0;
     for (int i = 0; i < kMatrices; ++i) {
-      matrices.push_back(QuantMatrix::quantize(values, kRows, kCols, spec).value());
+      matrices.push_back(QuantMatrix::quantize(values, rows, cols, spec).value());
       bytes += matrices.back().data.size() + matrices.back().block_scales.size();
     }
     for (int m : tokens) {
       // x from a 64-byte boundary, as the CPU backend holds its jobs' inputs (CacheLineAllocator).
-      std::vector<float> storage(static_cast<size_t>(m * kCols + 16)), out(static_cast<size_t>(2 * m)), row;
+      std::vector<float> storage(static_cast<size_t>(m * cols + 16)), out(static_cast<size_t>(2 * m)), row;
       const size_t skip = (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
-      const std::span<float> x(storage.data() + skip, static_cast<size_t>(m * kCols));
+      const std::span<float> x(storage.data() + skip, static_cast<size_t>(m * cols));
       for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 97) / 97.0f - 0.5f;
       double best = 1e30, sink = 0.0;
       for (int pass = 0; pass < 5; ++pass) {
         const auto start = std::chrono::steady_clock::now();
         for (const QuantMatrix& w : matrices) {
-          for (int64_t r = 0; r < kRows; r += pairs ? 2 : 1) {
+          for (int64_t r = 0; r < rows; r += pairs ? 2 : 1) {
             if (pairs) {
-              moeinfer::cpu_row_pair_dots(w, r, x.data(), kCols, m, out.data(), out.data() + m, row, loops);
+              moeinfer::cpu_row_pair_dots(w, r, x.data(), cols, m, out.data(), out.data() + m, row, loops);
             } else {
-              moeinfer::cpu_row_dots(w, r, x.data(), kCols, m, out.data(), row, loops);
+              moeinfer::cpu_row_dots(w, r, x.data(), cols, m, out.data(), row, loops);
             }
             sink += out[0];
           }
         }
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
-      const double macs = static_cast<double>(kRows * kCols) * kMatrices * m;
+      const double macs = static_cast<double>(rows * cols) * kMatrices * m;
       fmt::print("{:6} M={:<2} {:8.2f} ms  {:6.2f} GB/s of weights  {:6.2f} G multiply-adds/s  (sum {:.3g})\n", f, m,
                  best * 1e3, static_cast<double>(bytes) / best / 1e9, macs / best / 1e9, sink);
     }

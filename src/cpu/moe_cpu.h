@@ -68,8 +68,9 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
                        float* out1, std::vector<float>& row, CpuLoops loops = cpu_host_loops(),
                        int64_t pair_from_bytes = kCpuPairFromBytes);
 
-// What the backend's calls run on this host, for the benchmark's rows: the inner loop the CPU
-// allows (AVX2 with FMA and F16C, or the portable one) and the OpenMP threads.
+// What the backend's calls run on this host, for the benchmark's rows: the inner loops the CPU
+// allows (cpu_host_loops: AVX2 with FMA and F16C, NVFP4 and FP8 on AVX-512 where it has that, or
+// the portable ones) and the OpenMP threads.
 std::string cpu_backend_config();
 
 // The host's float multiply-add throughput on the backend's threads (omp_get_max_threads()):
