@@ -28,13 +28,10 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/bulk_copy.cuh"  // the mbarrier and bulk-copy helpers the fused down's ring uses
 #include "probe_common.cuh"
 
 namespace {
 
-using moeinfer::cuda::bulk_copy, moeinfer::cuda::mbar_arrive, moeinfer::cuda::mbar_expect, moeinfer::cuda::mbar_init,
-    moeinfer::cuda::mbar_init_fence, moeinfer::cuda::mbar_wait, moeinfer::cuda::smem_addr;
 using probe::fma_work, probe::load_stream, probe::median_ms, probe::stream_kernel;
 
 constexpr int kWarp = 32;
@@ -51,6 +48,32 @@ struct Params {
   float* sink;
 };
 
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (done == 0) {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
+               "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 template <int kConsumers>
 __global__ void __launch_bounds__((kConsumers + 1) * kWarp) ring_kernel(Params p) {
   extern __shared__ __align__(128) uint8_t ring[];
@@ -61,7 +84,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * kWarp) ring_kernel(Params p
       mbar_init(smem_addr(&full[s]), 1);
       mbar_init(smem_addr(&empty[s]), kConsumers);
     }
-    mbar_init_fence();
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const uint8_t* src = p.data + blockIdx.x * p.per_block;

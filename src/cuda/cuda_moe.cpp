@@ -257,9 +257,7 @@ std::string CudaMoe::call_config(int64_t n) const {
       down = c.down_copies_scales ? std::string("staged+scales") : staged(c.down_sliced, c.down_passes, c.down_ahead);
     } else if (c.down_blend_ways > 0) {
       down = fmt::format("split-K + blend ({} warp{}/item{})", c.down_blend_ways, c.down_blend_ways > 1 ? "s" : "",
-                         c.down_blend_rounds > 1 ? fmt::format(", {} items/warp{}", c.down_blend_rounds,
-                                                               c.down_ring ? ", weights through shared memory" : "")
-                                                 : "");
+                         c.down_blend_rounds > 1 ? fmt::format(", {} items/warp", c.down_blend_rounds) : "");
     } else if (c.down_pairs) {
       down = "split-K (row pairs)";
     }
@@ -449,10 +447,6 @@ Result<std::unique_ptr<CudaMoe>> CudaMoe::create(const Layer& layer, int64_t max
   // split-K kernels run a build of one loop, whose fewer registers hold more blocks per SM.
   L.down_path = static_cast<int8_t>(
       cuda::common_path(table.data(), table.size(), [](const cuda::DevExpert& x) { return cuda::weight_path(x.down); }));
-  L.down_ring = L.down_path == cuda::kPathNvfp4Tiled && std::all_of(table.begin(), table.end(), [](const cuda::DevExpert& x) {
-    return x.gate.rows == 0 || (reinterpret_cast<uintptr_t>(x.down.data) % 16 == 0 &&
-                                reinterpret_cast<uintptr_t>(x.down.block_scales) % 16 == 0);
-  });
   L.gate_up_path = static_cast<int8_t>(cuda::common_path(table.data(), table.size(), [](const cuda::DevExpert& x) {
     const int gate = cuda::weight_path(x.gate);
     return gate == cuda::weight_path(x.up) ? gate : cuda::kPathAny;

@@ -40,7 +40,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/nvfp4_pair_order.h"
@@ -1249,22 +1248,29 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   if constexpr (kPublished) done_with_published_items(ws);
 }
 
-// The shared-memory tables of a fused down of many items (the rolled kernels): each item's
-// expert table entry, the item, and its token columns' routes (columns past an item's routes take
-// its first route's, as split_routes).
-struct RolledItems {
-  uint2 entries[kExpertMajorDownBlendMaxItems][kExpertWords];
-  int4 item[kExpertMajorDownBlendMaxItems];
-  int routes[kExpertMajorDownBlendMaxItems][kTile];
-};
-
-// Copies this warp's items (slots warp, warp + 16, ... below max_items, which the workspace holds)
-// into `t`, every load issued before the first is stored, so that no round waits on the item
-// tables before its weight loads, and zeroes the warp's row sums. Returns the call's item count.
-__device__ __forceinline__ int copy_warp_items(const DevLayer& L, int n, const DevWorkspace& ws, int max_items,
-                                               RolledItems& t, BlendRowSums& sums) {
-  constexpr int kRoundsMax = kExpertMajorDownBlendMaxItems / kDownBlendWarps;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+// The fused down and blend past 16 items (ExpertMajorLaunch::down_blend_rounds > 1, up to
+// kExpertMajorDownBlendMaxItems items). Grid: 16-row tiles of H; block: 16 warps, warp w running
+// items w, w + 16, ... one after the other in a rolled loop, each over the whole K, on the one K
+// loop every expert's down takes (kPath: DevLayer::down_path), so that the loop holds one
+// format's code. First each warp copies the table entries, items and token columns' routes of all
+// its items into shared memory, every load issued before the first is stored, so that no round
+// waits on the item tables before its weight loads; the blend weights load at the top of each
+// round and are read after its MMAs. Sums and outputs as moe_expert_down_blend's: each warp adds
+// its items' sums in item order, the block the warps' in warp order. 80-128 registers, no spills.
+// On the H200 against the down kernels and the blend (docs/PERF.md, v3.22): qwen3-30b-a3b
+// N = 3-4 1.09-1.13x per call, N = 5-8 1.05-1.09x, N = 12-16 1.02-1.06x; qwen3-next-80b-a3b
+// N = 2 1.08-1.09x, N = 3-8 1.05-1.12x; against two unrolled rounds at 17-32 items 1.00x.
+template <int kPath>
+__global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
+    moe_expert_down_blend_rolled(DevLayer L, const float* x, int n, DevWorkspace ws, int max_items, float* out) {
+  constexpr int kMaxItems = kExpertMajorDownBlendMaxItems, kRoundsMax = kMaxItems / kDownBlendWarps;
+  __shared__ __align__(16) uint2 entries[kMaxItems][kExpertWords];
+  __shared__ int4 item_of[kMaxItems];
+  __shared__ int routes_of[kMaxItems][kTile];
+  __shared__ BlendRowSums row_sums[kDownBlendWarps];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4;
+  const int row0 = blockIdx.x * kRows;
+  // This warp's items (slots below max_items, which the workspace holds), loaded beside the count.
   int4 item[kRoundsMax];
 #pragma unroll
   for (int r = 0; r < kRoundsMax; ++r) {
@@ -1272,150 +1278,28 @@ __device__ __forceinline__ int copy_warp_items(const DevLayer& L, int n, const D
     item[r] = slot < max_items ? ws.items[slot] : make_int4(0, 0, 1, 0);
   }
   const int items = *ws.num_items;
-  // Table entries: lanes below kExpertWords, a word each; routes: lanes below kTile, a column each.
+  // Their table entries (lanes below kExpertWords, a word each) and routes (lanes below kTile, a
+  // token column each; columns past an item's routes take its first route's, as split_routes).
 #pragma unroll
   for (int r = 0; r < kRoundsMax; ++r) {
     const int slot = warp + r * kDownBlendWarps;
     if (slot >= items) break;
-    copy_expert_word(L, item[r].x, lane, t.entries[slot]);
-    if (lane < kTile) t.routes[slot][lane] = ws.route_list[item[r].y + (lane < item[r].z ? lane : 0)];
-    if (lane == 0) t.item[slot] = item[r];
+    copy_expert_word(L, item[r].x, lane, entries[slot]);
+    if (lane < kTile) routes_of[slot][lane] = ws.route_list[item[r].y + (lane < item[r].z ? lane : 0)];
+    if (lane == 0) item_of[slot] = item[r];
   }
-  for (int i = lane; i < n * kRows; i += kWarp) sums[i / kRows][i % kRows] = 0.0f;
+  for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
   __syncwarp();
-  return items;
-}
-
-// The fused down and blend past 16 items (ExpertMajorLaunch::down_blend_rounds > 1, up to
-// kExpertMajorDownBlendMaxItems items). Grid: 16-row tiles of H; block: 16 warps, warp w running
-// items w, w + 16, ... one after the other in a rolled loop, each over the whole K, on the one K
-// loop every expert's down takes (kPath: DevLayer::down_path), so that the loop holds one
-// format's code. First each warp copies its items' tables into shared memory (copy_warp_items);
-// the blend weights load at the top of each round and are read after its MMAs. Sums and outputs
-// as moe_expert_down_blend's: each warp adds its items' sums in item order, the block the warps'
-// in warp order. 80-128 registers, no spills.
-// On the H200 against the down kernels and the blend (docs/PERF.md, v3.22): qwen3-30b-a3b
-// N = 3-4 1.09-1.13x per call, N = 5-8 1.05-1.09x, N = 12-16 1.02-1.06x; qwen3-next-80b-a3b
-// N = 2 1.08-1.09x, N = 3-8 1.05-1.12x; against two unrolled rounds at 17-32 items 1.00x.
-template <int kPath>
-__global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
-    moe_expert_down_blend_rolled(DevLayer L, const float* x, int n, DevWorkspace ws, int max_items, float* out) {
-  __shared__ __align__(16) RolledItems t;
-  __shared__ BlendRowSums row_sums[kDownBlendWarps];
-  const int warp = threadIdx.x / kWarp, gid = threadIdx.x % kWarp / 4;
-  const int row0 = blockIdx.x * kRows;
-  const int items = copy_warp_items(L, n, ws, max_items, t, row_sums[warp]);
 #pragma unroll 1
   for (int slot = warp; slot < items; slot += kDownBlendWarps) {
-    const int4 it = t.item[slot];
-    int routes[1] = {t.routes[slot][gid]};
+    const int4 it = item_of[slot];
+    int routes[1] = {routes_of[slot][gid]};
     const float weight = blend_weight(L, n, ws, routes[0]);
-    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(t.entries[slot]);
+    const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[slot]);
     float acc[1][1][4] = {};
     item_sums<false, 1, true, false, false, kPath, 2, false, 1>(L, n, ws, ex, it, row0, routes, nullptr, true, acc);
     add_blended(L, n, ex, row0, true, acc[0][0], routes[0], weight, it.z, row_sums[warp]);
     __syncwarp();  // this item's adds before the next item's
-  }
-  __syncthreads();
-  write_blended(L, x, n, ws, out, row_sums, kDownBlendWarps, row0);
-}
-
-// moe_expert_down_blend_rolled over NVFP4 downs in tiles whose codes and scale tiles are 16-byte
-// aligned (DevLayer::down_ring), with the weights streamed through a ring in shared memory
-// instead of registers: each warp's lane 0 bulk-copies the warp's chunks (one tile of 1 KB of
-// codes and its 128-byte scale tile, in the order the warp runs them, across its items) into
-// kExpertMajorDownRingSlots slots, each behind an mbarrier that counts its bytes, and refills a
-// slot once the warp has run its MMAs. So a warp keeps up to that many chunks in flight (the
-// register loop keeps two), without the registers, and its next item's first chunks arrive while
-// it runs this one. The first slots fill before the kernel waits for gate_up's grid (a down
-// launched during it, expert_major_early_down). The activations load one chunk ahead into
-// registers, across items too. The MMAs and sums are the register loop's, in its order, so the
-// outputs equal moe_expert_down_blend_rolled's bit for bit.
-__global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
-    moe_expert_down_blend_ring(DevLayer L, const float* x, int n, DevWorkspace ws, int max_items, float* out) {
-  constexpr int kSlots = kExpertMajorDownRingSlots, kSlotBytes = kExpertMajorDownRingSlotBytes;
-  constexpr unsigned kChunk = 4 * kMainRun<Fmt::kNvfp4>;  // 128 columns
-  __shared__ __align__(16) RolledItems t;
-  __shared__ BlendRowSums row_sums[kDownBlendWarps];
-  __shared__ __align__(8) uint64_t full[kDownBlendWarps][kSlots];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
-  const int row0 = blockIdx.x * kRows;
-  if (lane == 0) {
-    for (int s = 0; s < kSlots; ++s) mbar_init(smem_addr(&full[warp][s]), 1);
-    mbar_init_fence();
-  }
-  const int items = copy_warp_items(L, n, ws, max_items, t, row_sums[warp]);
-  const uint32_t ring = smem_addr(staged_smem) + warp * kSlots * kSlotBytes;
-  const auto expert_of = [&](int slot) -> const DevExpert& { return *reinterpret_cast<const DevExpert*>(t.entries[slot]); };
-  // A place in the warp's stream of chunks: chunk `chunk` of its item `slot`; past its last item
-  // where slot >= items.
-  struct Place {
-    int slot, chunk;
-  };
-  const auto after = [&](Place p) {
-    if (p.slot >= items) return p;
-    return p.chunk + 1 < static_cast<int>(expert_of(p.slot).down.cols / kChunk) ? Place{p.slot, p.chunk + 1}
-                                                                                 : Place{p.slot + kDownBlendWarps, 0};
-  };
-
-  // The copies: copy number seq of the warp into ring slot seq % kSlots.
-  Place copy_at{warp, 0};
-  const auto copy_next = [&](int seq) {
-    if (copy_at.slot >= items) return;
-    if (lane == 0) {
-      const DevMatrix& m = expert_of(copy_at.slot).down;
-      const int64_t panel = static_cast<int64_t>(row0) * (m.cols / 2);  // the 16-row panel's first byte
-      const uint32_t bar = smem_addr(&full[warp][seq % kSlots]), dst = ring + seq % kSlots * kSlotBytes;
-      mbar_expect(bar, kSlotBytes);
-      bulk_copy(dst, m.data + panel + copy_at.chunk * kTileBytes, kTileBytes, bar);
-      bulk_copy(dst + kTileBytes, m.block_scales + panel / 8 + copy_at.chunk * kScaleTileBytes, kScaleTileBytes, bar);
-    }
-    copy_at = after(copy_at);
-  };
-  for (int seq = 0; seq < kSlots; ++seq) copy_next(seq);
-  wait_for_prior_grid();  // gate_up's activations (expert_major_early_down)
-
-  // This lane's activations of a place: its token column's route's run of the chunk, loaded two
-  // places ahead of their MMAs.
-  constexpr int kRunWords = kMainRun<Fmt::kNvfp4> / 2;
-  const auto load_activations = [&](Place p, uint32_t (&b)[kRunWords]) {
-    if (p.slot >= items) return;
-    const uint16_t* row = ws.act_bf16 + static_cast<int64_t>(t.routes[p.slot][gid]) * L.act_stride;
-    load_b<kMainRun<Fmt::kNvfp4>>(row, p.chunk * kChunk + c * kMainRun<Fmt::kNvfp4>, b);
-  };
-  LaneRows<1, 1> unused_rows{};  // mma_chunk reads token tile 0's activations from the chunk
-  Chunk<Fmt::kNvfp4, kMainRun<Fmt::kNvfp4>, 1, true> ch;
-  Place at{warp, 0}, at1 = after(at);
-  uint32_t b1[kRunWords];
-  load_activations(at, ch.b0);
-  load_activations(at1, b1);
-  float acc[1][1][4] = {};
-#pragma unroll 1
-  for (int seq = 0; at.slot < items; ++seq) {
-    const Place at2 = after(at1);
-    uint32_t b2[kRunWords];
-    load_activations(at2, b2);
-    const uint32_t offset = ring + seq % kSlots * kSlotBytes - smem_addr(staged_smem);
-    mbar_wait(smem_addr(&full[warp][seq % kSlots]), static_cast<uint32_t>(seq / kSlots) & 1u);
-    const uint4 lo = *reinterpret_cast<const uint4*>(staged_smem + offset + kTileRowBytes * gid + 16 * c);
-    const uint4 hi = *reinterpret_cast<const uint4*>(staged_smem + offset + kTileBytes / 2 + kTileRowBytes * gid + 16 * c);
-    ch.raw[0][0][0] = lo.x, ch.raw[0][0][1] = lo.y, ch.raw[0][0][2] = lo.z, ch.raw[0][0][3] = lo.w;
-    ch.raw[0][1][0] = hi.x, ch.raw[0][1][1] = hi.y, ch.raw[0][1][2] = hi.z, ch.raw[0][1][3] = hi.w;
-    ch.scale_codes[0][0] = *reinterpret_cast<const uint32_t*>(staged_smem + offset + kTileBytes + 4 * lane);
-    mma_chunk<Fmt::kNvfp4, kMainRun<Fmt::kNvfp4>, 1, 1, false, true>(ch, unused_rows, at.chunk * kChunk, 1, acc);
-    __syncwarp();  // every lane's reads of the slot are done (their values fed the MMAs)
-    copy_next(seq + kSlots);
-    if (at1.slot != at.slot) {  // the item's last chunk
-      const DevExpert& ex = expert_of(at.slot);
-      const int route = t.routes[at.slot][gid];
-      add_blended(L, n, ex, row0, true, acc[0][0], route, blend_weight(L, n, ws, route), t.item[at.slot].z, row_sums[warp]);
-      __syncwarp();  // this item's adds before the next item's
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[0][0][i] = 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < kRunWords; ++i) ch.b0[i] = b1[i], b1[i] = b2[i];
-    at = at1, at1 = at2;
   }
   __syncthreads();
   write_blended(L, x, n, ws, out, row_sums, kDownBlendWarps, row0);
@@ -1649,9 +1533,6 @@ cudaError_t prepare_expert_major_kernels() {
     if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorStaged2MaxSmem);
   };
   two_tiles(moe_expert_staged<false, false, false, 2>);
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(moe_expert_down_blend_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, kExpertMajorDownRingSmem);
-  }
   two_tiles(moe_expert_staged<false, false, false, 2, 2>);
   two_tiles(moe_expert_staged<false, false, false, 2, 4>);
   two_tiles(moe_expert_staged<false, false, false, 2, 1, 2>);
@@ -1742,10 +1623,6 @@ cudaError_t launch_moe_expert_major(const DevLayer& L, const float* x, int n, co
     const dim3 block((warps < kDownBlendWarps ? warps : kDownBlendWarps) * kWarp);
     const int grid = L.hidden / kRows;  // expert-major: H % 16 == 0
     const bool early = call.early_down;
-    if (call.down_ring) {
-      return launch_kernel(early, moe_expert_down_blend_ring, grid, block, kExpertMajorDownRingSmem, stream, L, x, n, ws,
-                           call.max_items, out);
-    }
     if (call.down_blend_rounds > 1) {  // one K loop for every expert's down (L.down_path >= 0: the rule)
       const auto rolled = [&]<int kPath>() {
         err = launch_kernel(early, moe_expert_down_blend_rolled<kPath>, grid, block, 0, stream, L, x, n, ws,

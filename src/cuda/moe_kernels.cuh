@@ -79,9 +79,6 @@ struct DevLayer {
   bool weight_tiles = false;  // some expert matrix is stored in tiles (weight_tiles.h)
   int8_t down_path = -1;      // weight_path of every expert's down where all agree, else -1 (kPathAny)
   int8_t gate_up_path = -1;   // weight_path of every expert's gate and up where all agree, else -1 (kPathAny)
-  // Every expert's down is NVFP4 in tiles with its codes and scale tiles 16-byte aligned, so that
-  // a fused down of many items can bulk-copy them (moe_expert_down_blend_ring).
-  bool down_ring = false;
   int8_t router_mma = -1;  // router logits on the tensor cores (moe_router_mma): 1 forced, 0 forbidden, -1 chosen
   int32_t router_mma_tokens = 0;  // calls of up to this many tokens may run moe_router_mma (0: none may)
   DevMatrix router;                          // [E + Z, H], bias = router bias
@@ -475,12 +472,6 @@ inline bool expert_major_gate_up_selects(const DevLayer& L, int n, bool staged_g
 inline constexpr int kExpertMajorDownBlendWarps = 16;
 inline constexpr int kExpertMajorDownBlendTokens = 16;
 inline constexpr int kExpertMajorDownBlendMaxItems = 8 * kExpertMajorDownBlendWarps;
-// The ring of moe_expert_down_blend_ring: slots per warp, each one chunk of a 16-row panel (a
-// weight tile and its scale tile), and the block's dynamic shared memory.
-inline constexpr int kExpertMajorDownRingSlots = 4;
-inline constexpr int kExpertMajorDownRingSlotBytes = kTileBytes + kScaleTileBytes;
-inline constexpr int kExpertMajorDownRingSmem =
-    kExpertMajorDownBlendWarps * kExpertMajorDownRingSlots * kExpertMajorDownRingSlotBytes;
 
 // The warps per item of a call's fused down and blend, or 0 where the call runs a down kernel,
 // then the blend: calls of up to 16 tokens at one token tile whose H / 16 blocks, one per SM, fit
@@ -585,7 +576,6 @@ struct ExpertMajorLaunch {
   bool gate_up_selects = false;  // no route kernel: the gate_up kernel selects (moe_expert_gate_up_select)
   int down_blend_ways = 0;  // > 0: down and blend in one kernel, this many warps per item (moe_expert_down_blend)
   int down_blend_rounds = 1;  // the fused down's items per warp, one after the other
-  bool down_ring = false;  // that down, past one round, streams its weights through shared memory (DevLayer::down_ring)
   bool gate_up_wide = false;  // split-K gate_up of 32 rows per block (moe_expert_gate_up_wide)
   // Mixed token tiles: the hot experts' items in ws.items from hot_offset, at most hot_max_items,
   // and their two-tile down's passes and chunks ahead.
@@ -699,7 +689,6 @@ inline ExpertMajorLaunch expert_major_launch(const DevLayer& L, int n) {
                                L.routed_expert_bytes);
   if (c.mixed) c.down_blend_ways = 0;  // forced past a fused down and blend
   c.down_blend_rounds = expert_major_down_blend_rounds(c.down_blend_ways, c.max_items);
-  c.down_ring = c.down_blend_rounds > 1 && L.down_ring;
   c.staged_down = down_stages && c.down_blend_ways == 0;
   const bool selects = expert_major_gate_up_selects(L, n, c.staged_gate_up, c.group);
   c.shared_apart = expert_major_shared_apart(L.shared_apart, L.has_shared, selects, n, L.shared_expert_bytes);
