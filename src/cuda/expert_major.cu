@@ -582,6 +582,7 @@ __device__ void mma_rows(const LaneRows<kMats, kTiles>& rows, int K, int tiles, 
     for (int i = 0; step(i, b0, b2) && step(i + 1, b1, b0) && step(i + 2, b2, b1); i += 3) {
     }
   }
+  if constexpr (kTiled) return;  // a matrix in tiles is whole chunks (tiles_fit): no tail
   const unsigned tail0 = chunks * 4 * V;
   const int tail_steps = (K - static_cast<int>(tail0)) / 16;
   for (int s = way; s < tail_steps; s += kWays) {
@@ -1155,22 +1156,23 @@ using BlendRowSums = float[kExpertMajorDownBlendTokens][kRows];
 
 // Adds one warp's MMA sums of an item (acc: its way's, of the item's `columns` token columns) into
 // the warp's row sums, each token column's times the blend's weight of its route. Accumulator i:
-// row gid + 8 (i / 2), token column 2c + i % 2, whose route and weight lane 4 (2c + i % 2) holds
-// (`route`, `weight`). An item's routes are of different tokens, so no two lanes add to the same
-// sum. The bias goes in once per item, by its way 0.
-__device__ __forceinline__ void add_blended(const DevLayer& L, int n, const DevExpert& ex, int row0, bool way0,
-                                            const float (&acc)[4], int route, float weight, int columns,
-                                            BlendRowSums& row_sums) {
+// row gid + 8 (i / 2), token column 2c + i % 2, whose route's token and weight lane 4 (2c + i % 2)
+// holds (`token`: route_token of the route, taken once per item by the caller; `weight`). An item's
+// routes are of different tokens, so no two lanes add to the same sum. The bias goes in once per
+// item, by its way 0.
+__device__ __forceinline__ void add_blended(const DevExpert& ex, int row0, bool way0, const float (&acc)[4], int token,
+                                            float weight, int columns, BlendRowSums& row_sums) {
   const int lane = threadIdx.x % kWarp, gid = lane / 4, c = lane % 4;
+  const float multiplier[2] = {output_multiplier(ex.down, row0 + gid), output_multiplier(ex.down, row0 + gid + 8)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int column = 2 * c + i % 2, row = gid + 8 * (i / 2);
-    const int column_route = __shfl_sync(0xFFFFFFFFu, route, 4 * column);
+    const int column_token = __shfl_sync(0xFFFFFFFFu, token, 4 * column);
     const float w = __shfl_sync(0xFFFFFFFFu, weight, 4 * column);
     if (column >= columns) continue;
-    float v = acc[i] * output_multiplier(ex.down, row0 + row);
+    float v = acc[i] * multiplier[i / 2];
     if (way0 && ex.down.bias != nullptr) v += ex.down.bias[row0 + row];
-    row_sums[route_token(L, n, column_route)][row] += w * v;
+    row_sums[column_token][row] += w * v;
   }
 }
 
@@ -1238,7 +1240,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     float acc[1][1][4] = {};
     item_sums<false, 1, true, false, false, kPathAny, 2, false, kWays>(L, n, ws, ex, item, row0, routes, nullptr, true,
                                                                        acc);
-    add_blended(L, n, ex, row0, way == 0, acc[0][0], routes[0], weight, item.z, row_sums[warp]);
+    add_blended(ex, row0, way == 0, acc[0][0], route_token(L, n, routes[0]), weight, item.z, row_sums[warp]);
   }
   // Every thread past gate_up's grid before the zero experts' choices are read (write_blended),
   // also where no item of this block ran the wait (item_sums).
@@ -1267,6 +1269,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
   __shared__ __align__(16) uint2 entries[kMaxItems][kExpertWords];
   __shared__ int4 item_of[kMaxItems];
   __shared__ int routes_of[kMaxItems][kTile];
+  __shared__ int tokens_of[kMaxItems][kTile];
   __shared__ BlendRowSums row_sums[kDownBlendWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4;
   const int row0 = blockIdx.x * kRows;
@@ -1285,7 +1288,11 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     const int slot = warp + r * kDownBlendWarps;
     if (slot >= items) break;
     copy_expert_word(L, item[r].x, lane, entries[slot]);
-    if (lane < kTile) routes_of[slot][lane] = ws.route_list[item[r].y + (lane < item[r].z ? lane : 0)];
+    if (lane < kTile) {
+      const int route = ws.route_list[item[r].y + (lane < item[r].z ? lane : 0)];
+      routes_of[slot][lane] = route;
+      tokens_of[slot][lane] = route_token(L, n, route);
+    }
     if (lane == 0) item_of[slot] = item[r];
   }
   for (int i = lane; i < n * kRows; i += kWarp) row_sums[warp][i / kRows][i % kRows] = 0.0f;
@@ -1298,7 +1305,7 @@ __global__ void __launch_bounds__(kDownBlendWarps * kWarp, 1)
     const DevExpert& ex = *reinterpret_cast<const DevExpert*>(entries[slot]);
     float acc[1][1][4] = {};
     item_sums<false, 1, true, false, false, kPath, 2, false, 1>(L, n, ws, ex, it, row0, routes, nullptr, true, acc);
-    add_blended(L, n, ex, row0, true, acc[0][0], routes[0], weight, it.z, row_sums[warp]);
+    add_blended(ex, row0, true, acc[0][0], tokens_of[slot][gid], weight, it.z, row_sums[warp]);
     __syncwarp();  // this item's adds before the next item's
   }
   __syncthreads();
