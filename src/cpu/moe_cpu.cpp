@@ -605,10 +605,10 @@ constexpr int64_t kCpuPrefetchAhead = 2048, kCpuPrefetchMostTokens = 5;
 // within the matrix), one request per 64-byte line, for NVFP4 and FP8 dotted with up to
 // kCpuPrefetchMostTokens tokens. A thread's rows come one after the other, so these are the bytes
 // it reads next. The hardware's own prefetch did not keep one core's stream of NVFP4 or FP8 rows
-// fed (with this, qwen3-30b calls of 1-4 tokens ran 1.23-1.34x faster in NVFP4, 1.04-1.66x in
+// fed (with this, qwen3-30b calls of 1-16 tokens ran 1.21-1.35x faster in NVFP4, 1.15-1.58x in
 // FP8). BF16's it does: asking for BF16 rows as well made calls of 1-4 tokens 0.88-0.96x where
 // they route independently. Past 5 tokens the rows are bound by their multiply-adds, and asking
-// made them 0.87-0.95x (docs/PERF.md, CPU v8).
+// made them 0.87-0.96x on one core (docs/PERF.md, CPU v8).
 void prefetch_rows_ahead(const QuantMatrix& m, int64_t r, int64_t n, int64_t tokens) {
 #if defined(__x86_64__)
   if (m.rows == 0 || m.spec.format == WeightFormat::kBF16 || tokens > kCpuPrefetchMostTokens) return;
