@@ -756,13 +756,19 @@ HostLoops host_loops() {
 
 std::string cpu_backend_config() {
   const HostLoops host = host_loops();
-  return fmt::format("{}; {} thread{}",
+#if defined(__x86_64__)
+  const std::string prefetch = fmt::format("; NVFP4 and FP8 weights prefetched {} KB ahead at up to {} tokens",
+                                           kCpuPrefetchAhead / 1024, kCpuPrefetchMostTokens);
+#else
+  const std::string prefetch;
+#endif
+  return fmt::format("{}{}; {} thread{}",
                      host.loops != CpuLoops::kPortable
                          ? fmt::format("AVX2 decode in registers{}, up to {} tokens per decode",
                                        host.loops == CpuLoops::kAvx512 ? " (NVFP4, FP8 in AVX-512)" : "",
                                        kCpuTokenTile)
                          : std::string("rows decoded to floats, then dotted (no AVX2, FMA and F16C)"),
-                     host.threads, host.threads == 1 ? "" : "s");
+                     prefetch, host.threads, host.threads == 1 ? "" : "s");
 }
 
 CpuPeak cpu_multiply_add_peak() {
