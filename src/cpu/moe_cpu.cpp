@@ -597,9 +597,11 @@ void row_dots_tile(CpuLoops loops, const QuantMatrix& m, int64_t r, const float*
 }
 #endif
 
+#if defined(__x86_64__)
 // How far ahead of its rows a thread asks for their weights, and up to how many tokens per call
 // (prefetch_rows_ahead).
 constexpr int64_t kCpuPrefetchAhead = 2048, kCpuPrefetchMostTokens = 5;
+#endif
 
 // Asks the cache for the weight bytes kCpuPrefetchAhead past those of rows r .. r + n - 1 (those
 // within the matrix), one request per 64-byte line, for NVFP4 and FP8 dotted with up to
@@ -625,8 +627,8 @@ void prefetch_rows_ahead(const QuantMatrix& m, int64_t r, int64_t n, int64_t tok
 }
 
 // cpu_row_dots without the prefetch.
-void row_dots_here(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
-                   std::vector<float>& row, CpuLoops loops) {
+void row_dots_without_prefetch(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens,
+                               float* out, std::vector<float>& row, CpuLoops loops) {
   loops = std::min(loops, cpu_host_loops());
 #if defined(__x86_64__)
   if (loops != CpuLoops::kPortable) {
@@ -646,7 +648,7 @@ void row_dots_here(const QuantMatrix& m, int64_t r, const float* x, int64_t stri
 void cpu_row_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out,
                   std::vector<float>& row, CpuLoops loops) {
   prefetch_rows_ahead(m, r, 1, tokens);
-  row_dots_here(m, r, x, stride, tokens, out, row, loops);
+  row_dots_without_prefetch(m, r, x, stride, tokens, out, row, loops);
 }
 
 void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t stride, int64_t tokens, float* out0,
@@ -667,8 +669,8 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
       const float* xt = x + done * stride;
       float *o0 = out0 + done, *o1 = out1 + done;
       if (size * m.cols * static_cast<int64_t>(sizeof(float)) <= pair_from_bytes) {
-        row_dots_here(m, r, xt, stride, size, o0, row, loops);
-        row_dots_here(m, r + 1, xt, stride, size, o1, row, loops);
+        row_dots_without_prefetch(m, r, xt, stride, size, o0, row, loops);
+        row_dots_without_prefetch(m, r + 1, xt, stride, size, o1, row, loops);
         return;
       }
       with_tile_size(size, [&]<int M>() {
@@ -682,8 +684,8 @@ void cpu_row_pair_dots(const QuantMatrix& m, int64_t r, const float* x, int64_t 
     return;
   }
 #endif
-  row_dots_here(m, r, x, stride, tokens, out0, row, loops);
-  row_dots_here(m, r + 1, x, stride, tokens, out1, row, loops);
+  row_dots_without_prefetch(m, r, x, stride, tokens, out0, row, loops);
+  row_dots_without_prefetch(m, r + 1, x, stride, tokens, out1, row, loops);
 }
 
 namespace {
