@@ -613,9 +613,9 @@ constexpr int64_t kCpuPrefetchAhead = 2048, kCpuPrefetchMostTokens = 5;
 // made them 0.87-0.96x on one core (docs/PERF.md, CPU v8).
 void prefetch_rows_ahead(const QuantMatrix& m, int64_t r, int64_t n, int64_t tokens) {
 #if defined(__x86_64__)
-  if (m.rows == 0 || m.spec.format == WeightFormat::kBF16 || tokens > kCpuPrefetchMostTokens) return;
+  if (m.spec.format == WeightFormat::kBF16 || tokens > kCpuPrefetchMostTokens) return;
   const auto size = static_cast<int64_t>(m.data.size());
-  const int64_t row_bytes = size / m.rows;
+  const int64_t row_bytes = m.spec.format == WeightFormat::kNVFP4 ? m.cols / 2 : m.cols;  // no division per row
   const int64_t end = std::min(size, (r + n) * row_bytes + kCpuPrefetchAhead);
   // In asm: GCC 12 removed a loop of _mm_prefetch here as dead code.
   for (int64_t at = std::min(size, r * row_bytes + kCpuPrefetchAhead); at < end; at += 64) {
